@@ -1,0 +1,60 @@
+// ai.onnx_light::CacheAttention (since_version 1) and CacheExport: what the
+// ops mean, their validation, and their execution against the KVCache arena.
+// Semantics: ONNX Attention opset 23 (onnx.ai, Operators/Attention) with
+// past_key/past_value taken from the cache; GQA head mapping and seqlens_k as
+// in ORT com.microsoft.GroupQueryAttention (docs/ContribOperators.md).
+// Full contract: docs/API.md. No ORT here.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "ops/tensor.h"
+
+namespace olep {
+namespace ops {
+
+/// CacheAttention attributes. scale 0 = default 1/sqrt(head_dim).
+struct CacheAttentionAttrs {
+  int64_t layer = -1;
+  int64_t q_num_heads = 0;
+  int64_t kv_num_heads = 0;
+  float scale = 0.0f;
+  int64_t is_causal = 0;
+  float softcap = 0.0f;
+  int64_t local_window_size = -1;
+};
+
+/// Throws std::invalid_argument ("CacheAttention: attribute '<name>' ...") for bad values.
+void validate(const CacheAttentionAttrs& a);
+
+/// Resolved dimensions of one call.
+struct AttentionDims {
+  int64_t rank = 4;  // 3 (BSNH packed [B, S, H*D]) or 4 (BNSH)
+  int64_t batch = 0, seq = 0, q_heads = 0, kv_heads = 0, head_dim = 0, v_head_dim = 0;
+};
+
+/// Validates query/key/value ranks, shapes and types against the attributes
+/// and returns the dims. Throws std::invalid_argument naming the input.
+AttentionDims resolve_dims(const CacheAttentionAttrs& a, const Tensor& query, const Tensor& key, const Tensor& value);
+
+/// Y's shape: [B, S, Hq*Dv] (rank 3) or [B, Hq, S, Dv] (rank 4).
+std::vector<int64_t> output_shape(const AttentionDims& d);
+
+/// Appends key/value to layer a.layer of the cache named by `cache` and writes
+/// Y (query's dtype, output_shape(d)) to `y`. mask and seqlens_k may be null.
+/// Throws std::invalid_argument (bad input) or std::runtime_error (cache state:
+/// limit reached, concurrent run); nothing is written to the cache then.
+void cache_attention(const CacheAttentionAttrs& a, const Tensor& query, const Tensor& key, const Tensor& value,
+                     const Tensor& cache, const Tensor* attn_mask, const Tensor* seqlens_k, void* y,
+                     const ParallelFor& parallel_for);
+
+/// CacheExport: layer `layer` as BNSH present_key [B, Hkv, L, D], present_value
+/// [B, Hkv, L, Dv], including this thread's pending rows of that layer.
+/// `alloc(key_shape, value_shape)` returns the two output buffers; this zero-fills them.
+using ExportOutputs = std::function<std::pair<void*, void*>(const std::vector<int64_t>& key_shape,
+                                                            const std::vector<int64_t>& value_shape)>;
+void cache_export(int64_t layer, const Tensor& cache, const ExportOutputs& alloc);
+
+}  // namespace ops
+}  // namespace olep

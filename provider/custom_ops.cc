@@ -1,0 +1,453 @@
+// Registration of the ai.onnx_light custom ops (CacheAttention, CacheExport)
+// with ORT, twice each: typed for the CPU EP (so a converted model runs on
+// plain ORT) and typed for OnnxLightExecutionProvider (which claims the nodes
+// with EpGraphSupportInfo_AddSingleNode). Both run the same ORT-free op code
+// in custom_ops/ops. Exceptions never cross the C ABI: every callback catches
+// and returns an OrtStatus.
+#include "provider/custom_ops.h"
+
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "ops/cache_attention.h"
+#include "provider/ort_api.h"
+
+namespace olep {
+namespace provider {
+namespace {
+
+using ops::ElemType;
+using ops::Tensor;
+
+ElemType elem_type(ONNXTensorElementDataType t) {
+  switch (t) {
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT: return ElemType::kFloat32;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16: return ElemType::kFloat16;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16: return ElemType::kBFloat16;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL: return ElemType::kBool;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32: return ElemType::kInt32;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64: return ElemType::kInt64;
+    default: return ElemType::kOther;
+  }
+}
+
+// Throws std::runtime_error carrying ORT's message.
+void check(OrtStatus* st) {
+  if (st == nullptr) return;
+  std::string msg = api().GetErrorMessage(st);
+  api().ReleaseStatus(st);
+  throw std::runtime_error(msg);
+}
+
+// Input `index` as a Tensor; returns false if the optional input is absent.
+bool read_input(OrtKernelContext* ctx, size_t index, Tensor* out) {
+  size_t count = 0;
+  check(api().KernelContext_GetInputCount(ctx, &count));
+  if (index >= count) return false;
+  const OrtValue* v = nullptr;
+  check(api().KernelContext_GetInput(ctx, index, &v));
+  if (v == nullptr) return false;
+  OrtTensorTypeAndShapeInfo* info = nullptr;
+  check(api().GetTensorTypeAndShape(v, &info));
+  std::unique_ptr<OrtTensorTypeAndShapeInfo, void (*)(OrtTensorTypeAndShapeInfo*)> guard(
+      info, [](OrtTensorTypeAndShapeInfo* p) { api().ReleaseTensorTypeAndShapeInfo(p); });
+  ONNXTensorElementDataType t;
+  check(api().GetTensorElementType(info, &t));
+  size_t rank = 0;
+  check(api().GetDimensionsCount(info, &rank));
+  out->shape.assign(rank, 0);
+  if (rank) check(api().GetDimensions(info, out->shape.data(), rank));
+  out->type = elem_type(t);
+  void* data = nullptr;
+  check(api().GetTensorMutableData(const_cast<OrtValue*>(v), &data));
+  out->data = data;
+  return true;
+}
+
+void* alloc_output(OrtKernelContext* ctx, size_t index, const std::vector<int64_t>& shape) {
+  OrtValue* out = nullptr;
+  check(api().KernelContext_GetOutput(ctx, index, shape.data(), shape.size(), &out));
+  void* data = nullptr;
+  check(api().GetTensorMutableData(out, &data));
+  return data;
+}
+
+bool has_output(OrtKernelContext* ctx, size_t index) {
+  size_t count = 0;
+  check(api().KernelContext_GetOutputCount(ctx, &count));
+  return index < count;
+}
+
+int64_t attr_int(const OrtKernelInfo* info, const char* name, int64_t dflt, bool* present = nullptr) {
+  int64_t v = dflt;
+  OrtStatus* st = api().KernelInfoGetAttribute_int64(info, name, &v);
+  if (present) *present = st == nullptr;
+  if (st) {
+    api().ReleaseStatus(st);
+    return dflt;
+  }
+  return v;
+}
+
+float attr_float(const OrtKernelInfo* info, const char* name, float dflt) {
+  float v = dflt;
+  OrtStatus* st = api().KernelInfoGetAttribute_float(info, name, &v);
+  if (st) {
+    api().ReleaseStatus(st);
+    return dflt;
+  }
+  return v;
+}
+
+ops::ParallelFor ort_parallel_for(OrtKernelContext* ctx) {
+  return [ctx](int64_t n, const std::function<void(int64_t)>& fn) {
+    struct Ctx {
+      const std::function<void(int64_t)>* fn;
+      std::mutex mu;
+      std::exception_ptr error;
+    } c{&fn, {}, nullptr};
+    auto tramp = [](void* p, size_t i) {
+      Ctx* cc = static_cast<Ctx*>(p);
+      try {
+        (*cc->fn)(static_cast<int64_t>(i));
+      } catch (...) {
+        std::lock_guard<std::mutex> lk(cc->mu);
+        if (!cc->error) cc->error = std::current_exception();
+      }
+    };
+    check(api().KernelContext_ParallelFor(ctx, tramp, static_cast<size_t>(n), 0, &c));
+    if (c.error) std::rethrow_exception(c.error);
+  };
+}
+
+OrtStatus* to_status(const std::exception& e, const std::string& node) {
+  const bool bad_input = dynamic_cast<const std::invalid_argument*>(&e) != nullptr;
+  return make_status(bad_input ? ORT_INVALID_ARGUMENT : ORT_FAIL, "[" + node + "] " + e.what());
+}
+
+std::string node_name(const OrtKernelInfo* info) {
+  size_t size = 0;
+  OrtStatus* st = api().KernelInfo_GetNodeName(info, nullptr, &size);
+  if (st) {
+    api().ReleaseStatus(st);
+    return "";
+  }
+  std::string s(size, '\0');
+  st = api().KernelInfo_GetNodeName(info, &s[0], &size);
+  if (st) {
+    api().ReleaseStatus(st);
+    return "";
+  }
+  if (!s.empty() && s.back() == '\0') s.pop_back();
+  return s;
+}
+
+// ---------------------------------------------------------------------------
+// Kernels
+
+struct CacheAttentionKernel {
+  ops::CacheAttentionAttrs attrs;
+  std::string node;
+
+  OrtStatus* compute(OrtKernelContext* ctx) {
+    try {
+      Tensor q, k, v, cache, mask, seqlens;
+      if (!read_input(ctx, 0, &q) || !read_input(ctx, 1, &k) || !read_input(ctx, 2, &v) || !read_input(ctx, 3, &cache))
+        throw std::invalid_argument("CacheAttention: inputs 'query', 'key', 'value' and 'cache' are required");
+      const bool has_mask = read_input(ctx, 4, &mask);
+      const bool has_seqlens = read_input(ctx, 5, &seqlens);
+      const ops::AttentionDims d = ops::resolve_dims(attrs, q, k, v);
+      // Validate everything that can fail before allocating Y and touching the cache.
+      void* y = alloc_output(ctx, 0, ops::output_shape(d));
+      ops::cache_attention(attrs, q, k, v, cache, has_mask ? &mask : nullptr, has_seqlens ? &seqlens : nullptr, y,
+                           ort_parallel_for(ctx));
+      return nullptr;
+    } catch (const std::exception& e) {
+      return to_status(e, node);
+    }
+  }
+};
+
+struct CacheExportKernel {
+  int64_t layer = -1;
+  std::string node;
+
+  OrtStatus* compute(OrtKernelContext* ctx) {
+    try {
+      Tensor cache;
+      if (!read_input(ctx, 0, &cache)) throw std::invalid_argument("CacheExport: input 'cache' is required");
+      ops::cache_export(layer, cache, [&](const std::vector<int64_t>& ks, const std::vector<int64_t>& vs) {
+        void* kd = alloc_output(ctx, 0, ks);
+        void* vd = has_output(ctx, 1) ? alloc_output(ctx, 1, vs) : nullptr;
+        if (vd == nullptr) throw std::invalid_argument("CacheExport: outputs 'present_key' and 'present_value' are required");
+        return std::make_pair(kd, vd);
+      });
+      return nullptr;
+    } catch (const std::exception& e) {
+      return to_status(e, node);
+    }
+  }
+};
+
+// ---------------------------------------------------------------------------
+// Shape inference (raw C API so output element types can follow the inputs).
+
+struct InferCtx {
+  OrtShapeInferContext* ctx;
+
+  bool input(size_t i, ONNXTensorElementDataType* type, std::vector<int64_t>* dims, std::vector<std::string>* syms) {
+    size_t n = 0;
+    check(api().ShapeInferContext_GetInputCount(ctx, &n));
+    if (i >= n) return false;
+    OrtTensorTypeAndShapeInfo* info = nullptr;
+    check(api().ShapeInferContext_GetInputTypeShape(ctx, i, &info));  // owned by ORT: not released here
+    if (info == nullptr) return false;
+    check(api().GetTensorElementType(info, type));
+    size_t rank = 0;
+    check(api().GetDimensionsCount(info, &rank));
+    dims->assign(rank, -1);
+    std::vector<const char*> s(rank, nullptr);
+    if (rank) {
+      check(api().GetDimensions(info, dims->data(), rank));
+      check(api().GetSymbolicDimensions(info, s.data(), rank));
+    }
+    syms->clear();
+    for (size_t k = 0; k < rank; ++k) syms->push_back(s[k] ? s[k] : "");
+    return true;
+  }
+
+  int64_t attr_int(const char* name, int64_t dflt) {
+    const OrtOpAttr* a = nullptr;
+    OrtStatus* st = api().ShapeInferContext_GetAttribute(ctx, name, &a);
+    if (st || a == nullptr) {
+      if (st) api().ReleaseStatus(st);
+      return dflt;
+    }
+    int64_t v = dflt;
+    size_t out = 0;
+    st = api().ReadOpAttr(a, ORT_OP_ATTR_INT, &v, sizeof(v), &out);
+    if (st) {
+      api().ReleaseStatus(st);
+      return dflt;
+    }
+    return v;
+  }
+
+  void set_output(size_t i, ONNXTensorElementDataType type, const std::vector<int64_t>& dims,
+                  const std::vector<std::string>& syms) {
+    OrtTensorTypeAndShapeInfo* info = nullptr;
+    check(api().CreateTensorTypeAndShapeInfo(&info));
+    std::unique_ptr<OrtTensorTypeAndShapeInfo, void (*)(OrtTensorTypeAndShapeInfo*)> guard(
+        info, [](OrtTensorTypeAndShapeInfo* p) { api().ReleaseTensorTypeAndShapeInfo(p); });
+    check(api().SetTensorElementType(info, type));
+    check(api().SetDimensions(info, dims.data(), dims.size()));
+    std::vector<const char*> s;
+    for (const auto& x : syms) s.push_back(x.c_str());
+    check(api().SetSymbolicDimensions(info, s.data(), s.size()));
+    check(api().ShapeInferContext_SetOutputTypeShape(ctx, i, info));
+  }
+};
+
+// Dimension `i` of an input, as (value, symbol); unknown = (-1, "").
+struct Dim {
+  int64_t v = -1;
+  std::string s;
+};
+
+OrtStatus* infer_cache_attention(const OrtCustomOp*, OrtShapeInferContext* c) {
+  try {
+    InferCtx ic{c};
+    ONNXTensorElementDataType qt, vt;
+    std::vector<int64_t> qd, vd;
+    std::vector<std::string> qs, vs;
+    if (!ic.input(0, &qt, &qd, &qs) || !ic.input(2, &vt, &vd, &vs)) return nullptr;
+    if (elem_type(qt) == ElemType::kOther || (qd.size() != 3 && qd.size() != 4) || vd.size() != qd.size())
+      return make_status(ORT_INVALID_ARGUMENT, "CacheAttention: 'query' must be float/float16/bfloat16 of rank 3 or 4 "
+                                               "and 'value' of the same rank");
+    std::vector<int64_t> od;
+    std::vector<std::string> os;
+    if (qd.size() == 4) {  // [B, Hq, S, Dv]
+      od = {qd[0], qd[1], qd[2], vd[3]};
+      os = {qs[0], qs[1], qs[2], vs[3]};
+    } else {  // [B, S, Hq*Dv]
+      const int64_t hq = ic.attr_int("q_num_heads", 0), hkv = ic.attr_int("kv_num_heads", 0);
+      int64_t last = -1;
+      if (hq > 0 && hkv > 0 && vd[2] > 0 && vd[2] % hkv == 0) last = hq * (vd[2] / hkv);
+      od = {qd[0], qd[1], last};
+      os = {qs[0], qs[1], ""};
+    }
+    ic.set_output(0, qt, od, os);
+    return nullptr;
+  } catch (const std::exception& e) {
+    return make_status(ORT_INVALID_ARGUMENT, std::string("CacheAttention shape inference: ") + e.what());
+  }
+}
+
+OrtStatus* infer_cache_export(const OrtCustomOp*, OrtShapeInferContext* c) {
+  try {
+    // The cache is a handle, so types and sizes come from optional attributes
+    // written by the rewrite: dtype (TensorProto enum, default 1 = float),
+    // kv_num_heads, head_dim, v_head_dim (unknown if absent).
+    InferCtx ic{c};
+    const int64_t dtype = ic.attr_int("dtype", ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
+    const auto t = static_cast<ONNXTensorElementDataType>(dtype);
+    if (elem_type(t) != ElemType::kFloat32 && elem_type(t) != ElemType::kFloat16 && elem_type(t) != ElemType::kBFloat16)
+      return make_status(ORT_INVALID_ARGUMENT, "CacheExport: attribute 'dtype' must be 1 (float), 10 (float16) or 16 "
+                                               "(bfloat16)");
+    const int64_t hkv = ic.attr_int("kv_num_heads", -1), d = ic.attr_int("head_dim", -1);
+    const int64_t dv = ic.attr_int("v_head_dim", d);
+    ic.set_output(0, t, {-1, hkv, -1, d}, {"", "", "", ""});
+    ic.set_output(1, t, {-1, hkv, -1, dv}, {"", "", "", ""});
+    return nullptr;
+  } catch (const std::exception& e) {
+    return make_status(ORT_INVALID_ARGUMENT, std::string("CacheExport shape inference: ") + e.what());
+  }
+}
+
+// ---------------------------------------------------------------------------
+// OrtCustomOp definitions
+
+enum class OpKind { kCacheAttention, kCacheExport };
+
+struct OpDef : OrtCustomOp {
+  OpKind kind;
+  const char* ep;  // nullptr = CPU EP
+
+  OpDef(OpKind k, const char* ep_name) : OrtCustomOp{}, kind(k), ep(ep_name) {
+    version = ORT_API_VERSION;
+    CreateKernel = nullptr;
+    KernelCompute = nullptr;
+    GetName = [](const OrtCustomOp* op) {
+      return static_cast<const OpDef*>(op)->kind == OpKind::kCacheAttention ? "CacheAttention" : "CacheExport";
+    };
+    GetExecutionProviderType = [](const OrtCustomOp* op) { return static_cast<const OpDef*>(op)->ep; };
+    GetInputTypeCount = [](const OrtCustomOp* op) -> size_t {
+      return static_cast<const OpDef*>(op)->kind == OpKind::kCacheAttention ? 6 : 2;
+    };
+    GetInputType = [](const OrtCustomOp* op, size_t i) {
+      const OpDef* d = static_cast<const OpDef*>(op);
+      if (d->kind == OpKind::kCacheAttention)
+        return i == 3 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 : ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+      return i == 0 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 : ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+    };
+    GetOutputTypeCount = [](const OrtCustomOp* op) -> size_t {
+      return static_cast<const OpDef*>(op)->kind == OpKind::kCacheAttention ? 1 : 2;
+    };
+    GetOutputType = [](const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED; };
+    KernelDestroy = [](void* k) {
+      // Both kernel types are destroyed through this one callback: tag dispatch.
+      auto* base = static_cast<KernelHolder*>(k);
+      delete base;
+    };
+    GetInputCharacteristic = [](const OrtCustomOp* op, size_t i) {
+      const OpDef* d = static_cast<const OpDef*>(op);
+      const size_t required = d->kind == OpKind::kCacheAttention ? 4 : 1;
+      return i < required ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;
+    };
+    GetOutputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
+    GetInputMemoryType = [](const OrtCustomOp*, size_t) { return OrtMemTypeDefault; };
+    GetVariadicInputMinArity = [](const OrtCustomOp*) { return 1; };
+    GetVariadicInputHomogeneity = [](const OrtCustomOp*) { return 1; };
+    GetVariadicOutputMinArity = [](const OrtCustomOp*) { return 1; };
+    GetVariadicOutputHomogeneity = [](const OrtCustomOp*) { return 1; };
+    CreateKernelV2 = [](const OrtCustomOp* op, const OrtApi*, const OrtKernelInfo* info, void** out) -> OrtStatus* {
+      const OpDef* d = static_cast<const OpDef*>(op);
+      const std::string node = node_name(info);
+      try {
+        auto holder = std::make_unique<KernelHolder>();
+        holder->kind = d->kind;
+        if (d->kind == OpKind::kCacheAttention) {
+          ops::CacheAttentionAttrs& a = holder->attention.attrs;
+          bool has_layer = false;
+          a.layer = attr_int(info, "layer", -1, &has_layer);
+          if (!has_layer) throw std::invalid_argument("CacheAttention: attribute 'layer' is required");
+          a.q_num_heads = attr_int(info, "q_num_heads", 0);
+          a.kv_num_heads = attr_int(info, "kv_num_heads", 0);
+          a.scale = attr_float(info, "scale", 0.0f);
+          a.is_causal = attr_int(info, "is_causal", 0);
+          a.softcap = attr_float(info, "softcap", 0.0f);
+          a.local_window_size = attr_int(info, "local_window_size", -1);
+          ops::validate(a);  // a bad model fails at session creation
+          holder->attention.node = node;
+        } else {
+          bool has_layer = false;
+          holder->exporter.layer = attr_int(info, "layer", -1, &has_layer);
+          if (!has_layer || holder->exporter.layer < 0)
+            throw std::invalid_argument("CacheExport: attribute 'layer' is required and must be >= 0");
+          holder->exporter.node = node;
+        }
+        *out = holder.release();
+        return nullptr;
+      } catch (const std::exception& e) {
+        return to_status(e, node);
+      }
+    };
+    KernelComputeV2 = [](void* k, OrtKernelContext* ctx) -> OrtStatus* {
+      auto* h = static_cast<KernelHolder*>(k);
+      return h->kind == OpKind::kCacheAttention ? h->attention.compute(ctx) : h->exporter.compute(ctx);
+    };
+    InferOutputShapeFn = kind == OpKind::kCacheAttention ? infer_cache_attention : infer_cache_export;
+    GetStartVersion = [](const OrtCustomOp*) { return 1; };
+    GetEndVersion = [](const OrtCustomOp*) { return (1 << 30); };
+    GetMayInplace = nullptr;
+    ReleaseMayInplace = nullptr;
+    GetAliasMap = nullptr;
+    ReleaseAliasMap = nullptr;
+  }
+
+  struct KernelHolder {
+    OpKind kind;
+    CacheAttentionKernel attention;
+    CacheExportKernel exporter;
+  };
+};
+
+const OpDef g_cpu_attention(OpKind::kCacheAttention, nullptr);
+const OpDef g_cpu_export(OpKind::kCacheExport, nullptr);
+const OpDef g_ep_attention(OpKind::kCacheAttention, kEpName);
+const OpDef g_ep_export(OpKind::kCacheExport, kEpName);
+
+}  // namespace
+
+OrtStatus* add_custom_op_domain(OrtSessionOptions* options) {
+  // One domain object for the life of the process (the library is never unloaded: -z nodelete);
+  // ORT requires it to outlive every session that uses it.
+  static OrtCustomOpDomain* domain = nullptr;
+  static std::once_flag once;
+  static OrtStatus* init_error = nullptr;
+  std::call_once(once, [] {
+    OrtStatus* st = api().CreateCustomOpDomain(kDomain, &domain);
+    for (const OpDef* op : {&g_cpu_attention, &g_cpu_export, &g_ep_attention, &g_ep_export})
+      if (st == nullptr) st = api().CustomOpDomain_Add(domain, op);
+    if (st) {
+      init_error = st;
+      domain = nullptr;
+    }
+  });
+  if (domain == nullptr)
+    return make_status(ORT_FAIL, std::string("onnx_light: could not create the custom-op domain: ") +
+                                     (init_error ? api().GetErrorMessage(init_error) : "unknown error"));
+  return api().AddCustomOpDomain(options, domain);
+}
+
+}  // namespace provider
+}  // namespace olep
+
+extern "C" {
+
+/// Custom-op library entry point (SessionOptions.register_custom_ops_library).
+__attribute__((visibility("default"))) OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options,
+                                                                                const OrtApiBase* api_base) {
+  if (const char* err = olep::provider::init_api(api_base)) {
+    const OrtApi* any = api_base ? api_base->GetApi(1) : nullptr;
+    return any ? any->CreateStatus(ORT_FAIL, err) : nullptr;
+  }
+  return olep::provider::add_custom_op_domain(options);
+}
+
+}  // extern "C"

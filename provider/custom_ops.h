@@ -1,0 +1,14 @@
+// Registration of the ai.onnx_light custom-op domain (CPU-typed and EP-typed
+// kernels of CacheAttention and CacheExport) on a session's options.
+#pragma once
+
+#include "provider/ort_api.h"
+
+namespace olep {
+namespace provider {
+
+/// Adds the process-wide ai.onnx_light domain to `options`. init_api() must have run.
+OrtStatus* add_custom_op_domain(OrtSessionOptions* options);
+
+}  // namespace provider
+}  // namespace olep

@@ -1,0 +1,172 @@
+// The plugin execution provider OnnxLightExecutionProvider: factory, device
+// selection and the EP itself (ORT plugin-EP API, onnxruntime_ep_c_api.h,
+// ORT >= 1.23).
+//
+// The EP claims ai.onnx_light nodes one by one (EpGraphSupportInfo_AddSingleNode);
+// ORT then runs the EP-typed custom-op kernels registered in custom_ops.cc.
+// It registers no allocator and no data transfer: inputs and outputs stay in
+// ORT's CPU memory, zero-copy. At the start of every run it discards partial
+// cache steps that a failed earlier run on the same thread left behind.
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kvcache/kv_cache.h"
+#include "provider/custom_ops.h"
+#include "provider/ort_api.h"
+
+namespace olep {
+namespace provider {
+namespace {
+
+const OrtEpApi& ep_api() { return *api().GetEpApi(); }
+
+void log(const OrtLogger* logger, OrtLoggingLevel level, const std::string& msg) {
+  if (logger == nullptr) return;
+  OrtStatus* st = api().Logger_LogMessage(logger, level, msg.c_str(), __FILE__, __LINE__, "OnnxLightEp");
+  if (st) api().ReleaseStatus(st);
+}
+
+struct Ep : OrtEp {
+  const OrtLogger* logger;
+
+  explicit Ep(const OrtLogger* lg) : OrtEp{}, logger(lg) {
+    ort_version_supported = ORT_API_VERSION;
+    GetName = [](const OrtEp*) noexcept { return kEpName; };
+    GetCapability = get_capability;
+    Compile = [](OrtEp*, const OrtGraph**, const OrtNode**, size_t, OrtNodeComputeInfo**, OrtNode**) noexcept -> OrtStatus* {
+      return make_status(ORT_NOT_IMPLEMENTED, "OnnxLightExecutionProvider fuses no nodes; Compile is not expected");
+    };
+    ReleaseNodeComputeInfos = [](OrtEp*, OrtNodeComputeInfo**, size_t) noexcept {};
+    GetPreferredDataLayout = nullptr;
+    ShouldConvertDataLayoutForOp = nullptr;
+    SetDynamicOptions = nullptr;
+    OnRunStart = [](OrtEp*, const OrtRunOptions*) noexcept -> OrtStatus* {
+      try {
+        Registry::instance().discard_steps_of_current_thread();
+        return nullptr;
+      } catch (const std::exception& e) {
+        return make_status(ORT_FAIL, e.what());
+      }
+    };
+    OnRunEnd = nullptr;
+    CreateAllocator = nullptr;
+    CreateSyncStreamForDevice = nullptr;
+    GetCompiledModelCompatibilityInfo = nullptr;
+  }
+
+  static OrtStatus* ORT_API_CALL get_capability(OrtEp* self, const OrtGraph* graph, OrtEpGraphSupportInfo* info) noexcept {
+    Ep* ep = static_cast<Ep*>(self);
+    size_t n = 0;
+    if (OrtStatus* st = api().Graph_GetNumNodes(graph, &n)) return st;
+    std::vector<const OrtNode*> nodes(n);
+    if (n)
+      if (OrtStatus* st = api().Graph_GetNodes(graph, nodes.data(), n)) return st;
+    for (const OrtNode* node : nodes) {
+      const char* domain = nullptr;
+      const char* op = nullptr;
+      if (OrtStatus* st = api().Node_GetDomain(node, &domain)) return st;
+      if (OrtStatus* st = api().Node_GetOperatorType(node, &op)) return st;
+      if (domain == nullptr || op == nullptr || std::strcmp(domain, kDomain) != 0) continue;
+      if (std::strcmp(op, "CacheAttention") != 0 && std::strcmp(op, "CacheExport") != 0) {
+        log(ep->logger, ORT_LOGGING_LEVEL_VERBOSE, std::string("OnnxLightExecutionProvider: not claiming ") + op);
+        continue;
+      }
+      if (OrtStatus* st = ep_api().EpGraphSupportInfo_AddSingleNode(info, node)) return st;
+    }
+    return nullptr;
+  }
+};
+
+struct Factory : OrtEpFactory {
+  std::string registered_name;
+  const OrtLogger* default_logger;
+
+  Factory(const char* name, const OrtLogger* lg) : OrtEpFactory{}, registered_name(name ? name : ""), default_logger(lg) {
+    ort_version_supported = ORT_API_VERSION;
+    GetName = [](const OrtEpFactory*) noexcept { return kEpName; };
+    GetVendor = [](const OrtEpFactory*) noexcept { return kVendor; };
+    GetSupportedDevices = get_supported_devices;
+    CreateEp = create_ep;
+    ReleaseEp = [](OrtEpFactory*, OrtEp* ep) noexcept { delete static_cast<Ep*>(ep); };
+    GetVendorId = [](const OrtEpFactory*) noexcept -> uint32_t { return 0; };
+    GetVersion = [](const OrtEpFactory*) noexcept { return kVersion; };
+    ValidateCompiledModelCompatibilityInfo = [](OrtEpFactory*, const OrtHardwareDevice* const*, size_t, const char*,
+                                                OrtCompiledModelCompatibility* out) noexcept -> OrtStatus* {
+      *out = OrtCompiledModelCompatibility_EP_NOT_APPLICABLE;
+      return nullptr;
+    };
+    CreateAllocator = [](OrtEpFactory*, const OrtMemoryInfo*, const OrtKeyValuePairs*, OrtAllocator** out) noexcept -> OrtStatus* {
+      *out = nullptr;  // ORT's default CPU allocator
+      return nullptr;
+    };
+    ReleaseAllocator = [](OrtEpFactory*, OrtAllocator*) noexcept {};
+    CreateDataTransfer = [](OrtEpFactory*, OrtDataTransferImpl** out) noexcept -> OrtStatus* {
+      *out = nullptr;  // CPU only: nothing to transfer
+      return nullptr;
+    };
+    IsStreamAware = [](const OrtEpFactory*) noexcept { return false; };
+    CreateSyncStreamForDevice = [](OrtEpFactory*, const OrtMemoryDevice*, const OrtKeyValuePairs*,
+                                   OrtSyncStreamImpl** out) noexcept -> OrtStatus* {
+      *out = nullptr;
+      return nullptr;
+    };
+  }
+
+  static OrtStatus* ORT_API_CALL get_supported_devices(OrtEpFactory* self, const OrtHardwareDevice* const* devices,
+                                                       size_t num_devices, OrtEpDevice** ep_devices,
+                                                       size_t max_ep_devices, size_t* num_ep_devices) noexcept {
+    *num_ep_devices = 0;
+    for (size_t i = 0; i < num_devices && *num_ep_devices < max_ep_devices; ++i) {
+      if (api().HardwareDevice_Type(devices[i]) != OrtHardwareDeviceType_CPU) continue;
+      OrtEpDevice* d = nullptr;
+      if (OrtStatus* st = ep_api().CreateEpDevice(self, devices[i], nullptr, nullptr, &d)) return st;
+      ep_devices[(*num_ep_devices)++] = d;
+      break;  // one CPU device is enough
+    }
+    return nullptr;
+  }
+
+  static OrtStatus* ORT_API_CALL create_ep(OrtEpFactory*, const OrtHardwareDevice* const*,
+                                           const OrtKeyValuePairs* const*, size_t, const OrtSessionOptions*,
+                                           const OrtLogger* logger, OrtEp** out) noexcept {
+    try {
+      *out = new Ep(logger);
+      return nullptr;
+    } catch (const std::exception& e) {
+      return make_status(ORT_FAIL, std::string("OnnxLightExecutionProvider: CreateEp failed: ") + e.what());
+    }
+  }
+};
+
+}  // namespace
+}  // namespace provider
+}  // namespace olep
+
+extern "C" {
+
+/// Plugin-EP library entry point (onnxruntime.register_execution_provider_library).
+__attribute__((visibility("default"))) OrtStatus* CreateEpFactories(const char* registered_name,
+                                                                    const OrtApiBase* ort_api_base,
+                                                                    const OrtLogger* default_logger,
+                                                                    OrtEpFactory** factories, size_t max_factories,
+                                                                    size_t* num_factories) {
+  if (const char* err = olep::provider::init_api(ort_api_base)) {
+    const OrtApi* any = ort_api_base ? ort_api_base->GetApi(1) : nullptr;
+    return any ? any->CreateStatus(ORT_FAIL, err) : nullptr;
+  }
+  *num_factories = 0;
+  if (max_factories < 1)
+    return olep::provider::make_status(ORT_INVALID_ARGUMENT, "onnx_light: ORT offered no room for an EP factory");
+  factories[0] = new olep::provider::Factory(registered_name, default_logger);
+  *num_factories = 1;
+  return nullptr;
+}
+
+__attribute__((visibility("default"))) OrtStatus* ReleaseEpFactory(OrtEpFactory* factory) {
+  delete static_cast<olep::provider::Factory*>(factory);
+  return nullptr;
+}
+
+}  // extern "C"
