@@ -1,0 +1,210 @@
+// Scalar streaming attention kernel against a naive double-precision
+// reference (the semantics of shared/CASES.md's ref_attn): GQA grouping,
+// causal offset, sliding window, softcap, bool/additive masks, fully masked
+// rows, split blocks, fp16/bf16 storage with fp32 accumulation.
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "check.h"
+#include "kernels/attention.h"
+
+using namespace olep;
+using namespace olep::kernels;
+
+namespace {
+
+struct Case {
+  int64_t G = 1, S = 1, P = 0, D = 8, Dv = 8;
+  int64_t valid_rows = -1;  // -1 = S
+  bool causal = true;
+  int64_t window = -1;
+  float softcap = 0.0f;
+  int mask = 0;  // 0 none, 1 bool, 2 additive
+  DType dtype = DType::kFloat32;
+  int blocks = 1;  // split the keys into this many blocks
+};
+
+double ref_row(const Case& c, const std::vector<float>& q, const std::vector<float>& k, const std::vector<float>& v,
+               const std::vector<uint8_t>& mb, const std::vector<float>& ma, int64_t h, int64_t i, int64_t d_out) {
+  const int64_t T = c.P + c.S;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(c.D));
+  std::vector<double> s(static_cast<size_t>(T), -INFINITY);
+  for (int64_t j = 0; j < T; ++j) {
+    const int64_t pos = c.P + i;
+    if (c.causal && j > pos) continue;
+    if (c.window > 0 && j <= pos - c.window) continue;
+    const size_t mo = static_cast<size_t>((h * c.S + i) * T + j);
+    if (c.mask == 1 && !mb[mo]) continue;
+    if (c.mask == 2 && !(ma[mo] > -std::numeric_limits<float>::max())) continue;
+    double dot = 0;
+    for (int64_t d = 0; d < c.D; ++d) dot += double(q[static_cast<size_t>((h * c.S + i) * c.D + d)]) * k[static_cast<size_t>(j * c.D + d)];
+    dot *= scale;
+    if (c.softcap > 0) dot = c.softcap * std::tanh(dot / c.softcap);
+    if (c.mask == 2) dot += ma[mo];
+    s[static_cast<size_t>(j)] = dot;
+  }
+  double m = -INFINITY;
+  for (double x : s) m = std::max(m, x);
+  if (!std::isfinite(m)) return 0.0;
+  double den = 0, num = 0;
+  for (int64_t j = 0; j < T; ++j) {
+    const double e = std::exp(s[static_cast<size_t>(j)] - m);
+    den += e;
+    num += e * v[static_cast<size_t>(j * c.Dv + d_out)];
+  }
+  return num / den;
+}
+
+uint16_t enc(DType t, float f) { return t == DType::kFloat16 ? float_to_half(f) : float_to_bf16(f); }
+float dec(DType t, uint16_t b) { return t == DType::kFloat16 ? half_to_float(b) : bf16_to_float(b); }
+
+void run_case(const Case& c, uint32_t seed, double tol) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  const int64_t T = c.P + c.S;
+  std::vector<float> q(static_cast<size_t>(c.G * c.S * c.D)), k(static_cast<size_t>(T * c.D)), v(static_cast<size_t>(T * c.Dv));
+  for (auto* vec : {&q, &k, &v})
+    for (auto& x : *vec) {
+      x = nd(rng);
+      if (c.dtype != DType::kFloat32) x = dec(c.dtype, enc(c.dtype, x));  // representable values
+    }
+  std::vector<uint8_t> mb(static_cast<size_t>(c.G * c.S * T), 1);
+  std::vector<float> ma(mb.size(), 0.0f);
+  for (size_t i = 0; i < mb.size(); ++i) {
+    mb[i] = (rng() % 4) != 0;
+    ma[i] = (rng() % 4) == 0 ? -INFINITY : ((rng() % 5) == 0 ? -std::numeric_limits<float>::max() : nd(rng));
+  }
+  // Storage in the case's dtype.
+  const size_t es = dtype_size(c.dtype);
+  auto pack = [&](const std::vector<float>& src) {
+    std::vector<uint8_t> out(src.size() * es);
+    for (size_t i = 0; i < src.size(); ++i) {
+      if (c.dtype == DType::kFloat32) {
+        std::memcpy(&out[i * 4], &src[i], 4);
+      } else {
+        const uint16_t b = enc(c.dtype, src[i]);
+        std::memcpy(&out[i * 2], &b, 2);
+      }
+    }
+    return out;
+  };
+  std::vector<uint8_t> qb = pack(q), kb = pack(k), vb = pack(v);
+  std::vector<uint8_t> ob(static_cast<size_t>(c.G * c.S * c.Dv) * es, 0xff);
+  std::vector<KVBlock> blocks;
+  const int64_t per = (T + c.blocks - 1) / c.blocks;
+  for (int64_t start = 0; start < T; start += per) {
+    KVBlock b;
+    b.key = kb.data() + static_cast<size_t>(start * c.D) * es;
+    b.value = vb.data() + static_cast<size_t>(start * c.Dv) * es;
+    b.first_position = start;
+    b.num_rows = std::min(per, T - start);
+    blocks.push_back(b);
+  }
+  AttentionGroup a;
+  a.dtype = c.dtype;
+  a.q = qb.data();
+  a.q_head_stride = c.S * c.D;
+  a.q_row_stride = c.D;
+  a.out = ob.data();
+  a.out_head_stride = c.S * c.Dv;
+  a.out_row_stride = c.Dv;
+  a.group_size = c.G;
+  a.num_rows = c.S;
+  a.num_valid_rows = c.valid_rows < 0 ? c.S : c.valid_rows;
+  a.q_offset = c.P;
+  a.num_keys = T;
+  a.blocks = blocks.data();
+  a.num_blocks = static_cast<int64_t>(blocks.size());
+  a.head_dim = c.D;
+  a.v_head_dim = c.Dv;
+  a.scale = 1.0f / std::sqrt(static_cast<float>(c.D));
+  a.softcap = c.softcap;
+  a.is_causal = c.causal;
+  a.local_window_size = c.window;
+  if (c.mask) {
+    a.mask.kind = c.mask == 1 ? MaskKind::kBool : MaskKind::kAdditive;
+    a.mask.dtype = DType::kFloat32;
+    a.mask.data = c.mask == 1 ? static_cast<const void*>(mb.data()) : static_cast<const void*>(ma.data());
+    a.mask.head_stride = c.S * T;
+    a.mask.row_stride = T;
+    a.mask.key_stride = 1;
+  }
+  std::vector<float> scratch(static_cast<size_t>(attend_scratch_floats(a)));
+  attend_group_scalar(a, scratch.data());
+  for (int64_t h = 0; h < c.G; ++h)
+    for (int64_t i = 0; i < c.S; ++i)
+      for (int64_t d = 0; d < c.Dv; ++d) {
+        const size_t o = static_cast<size_t>((h * c.S + i) * c.Dv + d);
+        float got;
+        if (c.dtype == DType::kFloat32) {
+          std::memcpy(&got, &ob[o * 4], 4);
+        } else {
+          uint16_t b;
+          std::memcpy(&b, &ob[o * 2], 2);
+          got = dec(c.dtype, b);
+        }
+        const double want = i < a.num_valid_rows ? ref_row(c, q, k, v, mb, ma, h, i, d) : 0.0;
+        CHECK(std::isfinite(got));
+        CHECK_NEAR(got, want, tol);
+      }
+}
+
+}  // namespace
+
+int main() {
+  uint32_t seed = 1;
+  for (int64_t G : {1, 4})
+    for (int64_t S : {1, 5})
+      for (int64_t P : {0, 7})
+        for (int mask : {0, 1, 2})
+          for (int blocks : {1, 3}) {
+            Case c;
+            c.G = G; c.S = S; c.P = P; c.mask = mask; c.blocks = blocks;
+            run_case(c, seed++, 1e-5);
+            c.causal = false;
+            run_case(c, seed++, 1e-5);
+            c.causal = true;
+            c.window = 3;
+            run_case(c, seed++, 1e-5);
+            c.window = -1;
+            c.softcap = 2.0f;
+            run_case(c, seed++, 1e-5);
+          }
+  Case r;  // right padding: rows >= valid are zeros
+  r.G = 2; r.S = 4; r.P = 3; r.valid_rows = 2;
+  run_case(r, 99, 1e-5);
+  Case dv;  // v_head_dim != head_dim
+  dv.G = 2; dv.S = 3; dv.P = 5; dv.D = 16; dv.Dv = 4;
+  run_case(dv, 7, 1e-5);
+  for (DType t : {DType::kFloat16, DType::kBFloat16}) {
+    Case h;
+    h.G = 4; h.S = 3; h.P = 9; h.dtype = t; h.mask = 2; h.blocks = 2;
+    run_case(h, 5, t == DType::kFloat16 ? 2e-3 : 1.6e-2);
+  }
+  // C09: fp16 q.k would overflow in fp16 (q = k0 = 40, D = 64): fp32 accumulation gives ~v0.
+  {
+    const int64_t D = 64;
+    std::vector<uint16_t> q(D, float_to_half(40.0f)), k(2 * D), v(2 * D), out(D);
+    for (int64_t d = 0; d < D; ++d) {
+      k[static_cast<size_t>(d)] = float_to_half(40.0f);
+      k[static_cast<size_t>(D + d)] = float_to_half(39.0f);
+      v[static_cast<size_t>(d)] = float_to_half(0.25f * static_cast<float>(d % 7));
+      v[static_cast<size_t>(D + d)] = float_to_half(-3.0f);
+    }
+    KVBlock b{k.data(), v.data(), 0, 2};
+    AttentionGroup a;
+    a.dtype = DType::kFloat16;
+    a.q = q.data(); a.q_head_stride = D; a.q_row_stride = D;
+    a.out = out.data(); a.out_head_stride = D; a.out_row_stride = D;
+    a.num_rows = 1; a.num_valid_rows = 1; a.q_offset = 1; a.num_keys = 2;
+    a.blocks = &b; a.num_blocks = 1; a.head_dim = D; a.v_head_dim = D;
+    a.scale = 1.0f / 8.0f; a.is_causal = true;
+    std::vector<float> scratch(static_cast<size_t>(attend_scratch_floats(a)));
+    attend_group_scalar(a, scratch.data());
+    for (int64_t d = 0; d < D; ++d) CHECK_NEAR(half_to_float(out[static_cast<size_t>(d)]), 0.25f * (d % 7), 1e-3);
+  }
+  TEST_MAIN_END();
+}

@@ -1,0 +1,214 @@
+// CacheAttention / CacheExport op semantics through the ORT-free op API:
+// validation names the input and leaves the cache intact; 3-D (BSNH) and 4-D
+// (BNSH) inputs give the same result; seqlens_k right padding; export.
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "check.h"
+#include "kvcache/kv_cache.h"
+#include "ops/cache_attention.h"
+
+using namespace olep;
+using namespace olep::ops;
+
+namespace {
+
+Tensor f32(const std::vector<float>& v, std::vector<int64_t> shape) {
+  Tensor t;
+  t.type = ElemType::kFloat32;
+  t.shape = std::move(shape);
+  t.data = v.data();
+  return t;
+}
+
+Tensor i64(const int64_t* v, std::vector<int64_t> shape) {
+  Tensor t;
+  t.type = ElemType::kInt64;
+  t.shape = std::move(shape);
+  t.data = v;
+  return t;
+}
+
+std::vector<float> randn(size_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd;
+  std::vector<float> v(n);
+  for (auto& x : v) x = nd(rng);
+  return v;
+}
+
+// BNSH [B, H, S, D] -> [B, S, H*D]
+std::vector<float> to_bsnh(const std::vector<float>& x, int64_t B, int64_t H, int64_t S, int64_t D) {
+  std::vector<float> y(x.size());
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t s = 0; s < S; ++s)
+        for (int64_t d = 0; d < D; ++d)
+          y[static_cast<size_t>(((b * S + s) * H + h) * D + d)] = x[static_cast<size_t>(((b * H + h) * S + s) * D + d)];
+  return y;
+}
+
+int64_t make_cache(int64_t layers, int64_t B, int64_t Hkv, int64_t D, int64_t cap) {
+  CacheGeometry g;
+  g.num_layers = layers;
+  g.batch_size = B;
+  g.kv_num_heads = Hkv;
+  g.head_dim = D;
+  g.v_head_dim = D;
+  g.max_sequence_length = cap;
+  return Registry::instance().add(std::make_unique<KVCache>(g));
+}
+
+void test_validation_names_inputs() {
+  const int64_t B = 2, Hq = 4, Hkv = 2, S = 3, D = 8;
+  const int64_t h = make_cache(1, B, Hkv, D, 16);
+  auto q = randn(B * Hq * S * D, 1), k = randn(B * Hkv * S * D, 2), v = randn(B * Hkv * S * D, 3);
+  std::vector<float> y(q.size());
+  CacheAttentionAttrs a;
+  a.layer = 0;
+  a.is_causal = 1;
+  const Tensor cache = i64(&h, {1});
+  cache_attention(a, f32(q, {B, Hq, S, D}), f32(k, {B, Hkv, S, D}), f32(v, {B, Hkv, S, D}), cache, nullptr, nullptr,
+                  y.data(), nullptr);
+  auto c = Registry::instance().get(h, "test");
+  CHECK((c->seq_lens() == std::vector<int64_t>{3, 3}));
+
+  auto k_bad = randn(B * Hkv * S * 4, 4);
+  EXPECT_THROW(cache_attention(a, f32(q, {B, Hq, S, D}), f32(k_bad, {B, Hkv, S, 4}), f32(v, {B, Hkv, S, D}), cache,
+                               nullptr, nullptr, y.data(), nullptr),
+               std::invalid_argument, "input 'key'");
+  EXPECT_THROW(cache_attention(a, f32(q, {B, Hq, S, D}), f32(k, {B, Hkv, S, D}), f32(v, {B, Hkv, S, D}), f32(q, {1}),
+                               nullptr, nullptr, y.data(), nullptr),
+               std::invalid_argument, "input 'cache' must be an int64");
+  const int64_t bogus = h + 1000;
+  EXPECT_THROW(cache_attention(a, f32(q, {B, Hq, S, D}), f32(k, {B, Hkv, S, D}), f32(v, {B, Hkv, S, D}),
+                               i64(&bogus, {1}), nullptr, nullptr, y.data(), nullptr),
+               std::invalid_argument, "is unknown or released");
+  CacheAttentionAttrs a2 = a;
+  a2.layer = 1;
+  EXPECT_THROW(cache_attention(a2, f32(q, {B, Hq, S, D}), f32(k, {B, Hkv, S, D}), f32(v, {B, Hkv, S, D}), cache,
+                               nullptr, nullptr, y.data(), nullptr),
+               std::invalid_argument, "attribute 'layer' (1) must be < num_layers");
+  auto kv1 = randn(B * 1 * S * D, 5);
+  EXPECT_THROW(cache_attention(a, f32(q, {B, Hq, S, D}), f32(kv1, {B, 1, S, D}), f32(kv1, {B, 1, S, D}), cache,
+                               nullptr, nullptr, y.data(), nullptr),
+               std::invalid_argument, "kv_num_heads=2");
+  std::vector<float> mask(static_cast<size_t>(B * 3 * S * 6), 0.0f);
+  const Tensor bad_mask = f32(mask, {B, 3, S, 6});
+  EXPECT_THROW(cache_attention(a, f32(q, {B, Hq, S, D}), f32(k, {B, Hkv, S, D}), f32(v, {B, Hkv, S, D}), cache,
+                               &bad_mask, nullptr, y.data(), nullptr),
+               std::invalid_argument, "input 'attn_mask'");
+  std::vector<float> short_mask(static_cast<size_t>(S * 5), 0.0f);
+  const Tensor short_m = f32(short_mask, {S, 5});
+  EXPECT_THROW(cache_attention(a, f32(q, {B, Hq, S, D}), f32(k, {B, Hkv, S, D}), f32(v, {B, Hkv, S, D}), cache,
+                               &short_m, nullptr, y.data(), nullptr),
+               std::invalid_argument, ">= 6");
+  const int32_t sk[2] = {9, 1};
+  Tensor seq;
+  seq.type = ElemType::kInt32;
+  seq.shape = {2};
+  seq.data = sk;
+  EXPECT_THROW(cache_attention(a, f32(q, {B, Hq, S, D}), f32(k, {B, Hkv, S, D}), f32(v, {B, Hkv, S, D}), cache,
+                               nullptr, &seq, y.data(), nullptr),
+               std::invalid_argument, "input 'seqlens_k'[0] = 9");
+  CacheAttentionAttrs bad = a;
+  bad.local_window_size = 0;
+  EXPECT_THROW(validate(bad), std::invalid_argument, "local_window_size");
+  bad = a;
+  bad.layer = -1;
+  EXPECT_THROW(validate(bad), std::invalid_argument, "attribute 'layer' is required");
+  CHECK((c->seq_lens() == std::vector<int64_t>{3, 3}));  // nothing above touched the cache
+  Registry::instance().release(h, "test");
+}
+
+void test_3d_equals_4d_and_export() {
+  const int64_t B = 2, Hq = 6, Hkv = 3, D = 4;
+  const int64_t h4 = make_cache(1, B, Hkv, D, 32), h3 = make_cache(1, B, Hkv, D, 32);
+  CacheAttentionAttrs a4;
+  a4.layer = 0;
+  a4.is_causal = 1;
+  CacheAttentionAttrs a3 = a4;
+  a3.q_num_heads = Hq;
+  a3.kv_num_heads = Hkv;
+  uint32_t seed = 10;
+  for (int64_t S : {5, 1, 1, 2}) {
+    auto q = randn(B * Hq * S * D, seed++), k = randn(B * Hkv * S * D, seed++), v = randn(B * Hkv * S * D, seed++);
+    std::vector<float> y4(q.size()), y3(q.size());
+    cache_attention(a4, f32(q, {B, Hq, S, D}), f32(k, {B, Hkv, S, D}), f32(v, {B, Hkv, S, D}), i64(&h4, {1}), nullptr,
+                    nullptr, y4.data(), nullptr);
+    auto q3 = to_bsnh(q, B, Hq, S, D), k3 = to_bsnh(k, B, Hkv, S, D), v3 = to_bsnh(v, B, Hkv, S, D);
+    cache_attention(a3, f32(q3, {B, S, Hq * D}), f32(k3, {B, S, Hkv * D}), f32(v3, {B, S, Hkv * D}), i64(&h3, {1}),
+                    nullptr, nullptr, y3.data(), nullptr);
+    const auto y4t = to_bsnh(y4, B, Hq, S, D);
+    for (size_t i = 0; i < y3.size(); ++i) CHECK(y3[i] == y4t[i]);
+  }
+  std::vector<float> k4, v4, k3, v3;
+  auto grab = [](std::vector<float>& kk, std::vector<float>& vv) {
+    return [&](const std::vector<int64_t>& ks, const std::vector<int64_t>& vs) {
+      kk.assign(static_cast<size_t>(ks[0] * ks[1] * ks[2] * ks[3]), 1.0f);
+      vv.assign(static_cast<size_t>(vs[0] * vs[1] * vs[2] * vs[3]), 1.0f);
+      return std::make_pair<void*, void*>(kk.data(), vv.data());
+    };
+  };
+  cache_export(0, i64(&h4, {1}), grab(k4, v4));
+  cache_export(0, i64(&h3, {1}), grab(k3, v3));
+  CHECK(k4.size() == static_cast<size_t>(B * Hkv * 9 * D));
+  CHECK(k4 == k3 && v4 == v3);
+  EXPECT_THROW(cache_export(1, i64(&h4, {1}), grab(k4, v4)), std::invalid_argument, "attribute 'layer' (1)");
+  Registry::instance().release(h4, "test");
+  Registry::instance().release(h3, "test");
+}
+
+void test_seqlens_k_right_padding() {
+  // Prompt lengths [4, 2] right-padded to S = 4, then one decode token each (CASES C03 shape).
+  const int64_t B = 2, Hq = 4, Hkv = 2, D = 8;
+  const int64_t h = make_cache(1, B, Hkv, D, 8);
+  CacheAttentionAttrs a;
+  a.layer = 0;
+  a.is_causal = 1;
+  int32_t sk[2] = {3, 1};
+  Tensor seq;
+  seq.type = ElemType::kInt32;
+  seq.shape = {2, 1};
+  seq.data = sk;
+  auto q = randn(B * Hq * 4 * D, 30), k = randn(B * Hkv * 4 * D, 31), v = randn(B * Hkv * 4 * D, 32);
+  std::vector<float> y(q.size());
+  cache_attention(a, f32(q, {B, Hq, 4, D}), f32(k, {B, Hkv, 4, D}), f32(v, {B, Hkv, 4, D}), i64(&h, {1}), nullptr,
+                  &seq, y.data(), nullptr);
+  auto c = Registry::instance().get(h, "test");
+  CHECK((c->seq_lens() == std::vector<int64_t>{4, 2}));
+  for (int64_t hq = 0; hq < Hq; ++hq)  // padded query rows of sequence 1 are zeros
+    for (int64_t s = 2; s < 4; ++s)
+      for (int64_t d = 0; d < D; ++d) CHECK(y[static_cast<size_t>(((1 * Hq + hq) * 4 + s) * D + d)] == 0.0f);
+  sk[0] = 4;
+  sk[1] = 2;
+  seq.shape = {2};
+  auto q1 = randn(B * Hq * D, 33), k1 = randn(B * Hkv * D, 34), v1 = randn(B * Hkv * D, 35);
+  std::vector<float> y1(q1.size());
+  cache_attention(a, f32(q1, {B, Hq, 1, D}), f32(k1, {B, Hkv, 1, D}), f32(v1, {B, Hkv, 1, D}), i64(&h, {1}), nullptr,
+                  &seq, y1.data(), nullptr);
+  CHECK((c->seq_lens() == std::vector<int64_t>{5, 3}));
+  // The decode token of sequence 1 sits at slot 2 (not 4).
+  std::vector<float> ke, ve;
+  cache_export(0, i64(&h, {1}), [&](const std::vector<int64_t>& ks, const std::vector<int64_t>& vs) {
+    ke.assign(static_cast<size_t>(ks[0] * ks[1] * ks[2] * ks[3]), 0.0f);
+    ve.assign(static_cast<size_t>(vs[0] * vs[1] * vs[2] * vs[3]), 0.0f);
+    return std::make_pair<void*, void*>(ke.data(), ve.data());
+  });
+  for (int64_t hk = 0; hk < Hkv; ++hk)
+    for (int64_t d = 0; d < D; ++d) {
+      CHECK(ke[static_cast<size_t>(((1 * Hkv + hk) * 5 + 2) * D + d)] == k1[static_cast<size_t>((1 * Hkv + hk) * D + d)]);
+      CHECK(ke[static_cast<size_t>(((1 * Hkv + hk) * 5 + 3) * D + d)] == 0.0f);
+    }
+  Registry::instance().release(h, "test");
+}
+
+}  // namespace
+
+int main() {
+  test_validation_names_inputs();
+  test_3d_equals_4d_and_export();
+  test_seqlens_k_right_padding();
+  TEST_MAIN_END();
+}
