@@ -363,12 +363,13 @@ std::vector<int64_t> KVCache::begin_layer_append(int64_t layer, int64_t sequence
     step_.sequence_length = sequence_length;
     step_.num_new = num_new;
   } else {
-    if (!step_.open || step_.owner != me)
-      throw std::runtime_error("input 'cache' is being appended by another run, or layer 0 of this step did not run; "
-                               "layer " + str(layer) + " cannot append (one cache serves one run at a time)");
-    if (step_.next_layer != layer)
-      throw std::runtime_error("layers must append in order 0..num_layers-1; expected layer " +
-                               str(step_.next_layer) + ", got layer " + str(layer));
+    if (step_.open && step_.owner != me)
+      throw std::runtime_error("input 'cache' is being appended by another run (one cache serves one run at a "
+                               "time); layer " + str(layer) + " of this run cannot append");
+    if (!step_.open || step_.next_layer != layer)
+      throw std::runtime_error("layers must append to input 'cache' in order 0..num_layers-1 within a run; expected "
+                               "layer " + str(step_.open ? step_.next_layer : 0) + ", got layer " + str(layer) +
+                               " (in the graph, layer l must depend on layer l-1's output, as in a decoder)");
     if (step_.sequence_length != sequence_length || step_.num_new != num_new)
       throw std::invalid_argument("layer " + str(layer) + " appends a different number of tokens (" +
                                   str(sequence_length) + ") than layer 0 of the same step (" +

@@ -158,7 +158,7 @@ void test_ragged_and_limits() {
     EXPECT_THROW(c.begin_layer_append(0, 4, {4, 4}), std::runtime_error, "max_sequence_length is 8");
     EXPECT_THROW(c.begin_layer_append(0, 2, {3, 1}), std::invalid_argument, "must be in [0, 2]");
     EXPECT_THROW(c.begin_layer_append(2, 1, {1, 1}), std::invalid_argument, "attribute 'layer'");
-    EXPECT_THROW(c.begin_layer_append(1, 1, {1, 1}), std::runtime_error, "layer 0 of this step did not run");
+    EXPECT_THROW(c.begin_layer_append(1, 1, {1, 1}), std::runtime_error, "expected layer 0, got layer 1");
   }
   CHECK((c.seq_lens() == std::vector<int64_t>{5, 3}));
   check_content(c, {5, 3});

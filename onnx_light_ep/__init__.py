@@ -1,0 +1,84 @@
+"""onnx-light-ep: a persistent KV cache for decoder LLMs on ONNX Runtime (CPU).
+
+Public names:
+
+- ``EP_NAME``: ``"OnnxLightExecutionProvider"``, the plugin execution provider.
+- ``DOMAIN``: ``"ai.onnx_light"`` (opset 1), the custom-op domain
+  (``CacheAttention``, ``CacheExport``).
+- ``get_library_path()``: path of the loaded native library ``libonnx_light.so``.
+- ``register(sess_options=None, provider_options=None)``: set up an
+  ``onnxruntime.SessionOptions`` for the ops and the EP.
+- ``InferenceSession(model, sess_options=None, provider_options=None)``: an
+  ``onnxruntime.InferenceSession`` that is guaranteed to run on the EP.
+- ``KVCache``: the cache object; feed ``KVCache.handle`` to the model.
+
+See docs/API.md for the full contract. ``onnxruntime`` is imported only when
+``register``/``InferenceSession`` are called.
+"""
+
+import importlib.machinery as _machinery
+import os as _os
+import sys as _sys
+
+
+def _has_core(directory):
+    try:
+        names = _os.listdir(directory)
+    except OSError:
+        return False
+    suffixes = tuple(_machinery.EXTENSION_SUFFIXES)
+    return any(n.startswith("_core.") and n.endswith(suffixes) for n in names)
+
+
+def _installed_copy_elsewhere():
+    """Directory of another ``onnx_light_ep`` on ``sys.path`` that has ``_core``."""
+    here = _os.path.realpath(_os.path.dirname(__file__))
+    for entry in _sys.path:
+        if not isinstance(entry, str):
+            continue
+        candidate = _os.path.join(entry or _os.curdir, __name__)
+        if _os.path.realpath(candidate) == here:
+            continue
+        if _os.path.isfile(_os.path.join(candidate, "__init__.py")) and _has_core(candidate):
+            return _os.path.abspath(candidate)
+    return None
+
+
+if not _has_core(_os.path.dirname(__file__)):
+    # This is a source checkout without a build (for example `python -m pytest`
+    # run in the repository root puts the checkout first on sys.path). Load the
+    # installed package in its place, so that what runs is what
+    # `pip install .` built, exactly as if the checkout were not on sys.path.
+    _other = _installed_copy_elsewhere()
+    if _other is None:
+        raise ImportError(
+            "onnx_light_ep: the compiled module onnx_light_ep._core is missing from "
+            f"{_os.path.dirname(_os.path.abspath(__file__))} and no installed copy was "
+            "found on sys.path; install the package first: python -m pip install ."
+        )
+    import importlib.util as _util
+
+    _spec = _util.spec_from_file_location(
+        __name__, _os.path.join(_other, "__init__.py"), submodule_search_locations=[_other]
+    )
+    _module = _util.module_from_spec(_spec)
+    _sys.modules[__name__] = _module
+    try:
+        _spec.loader.exec_module(_module)
+    except BaseException:
+        del _sys.modules[__name__]
+        raise
+else:
+    from ._registration import DOMAIN, EP_NAME, InferenceSession, get_library_path, register
+    from .cache import KVCache
+
+    __version__ = "0.1.0"
+
+    __all__ = [
+        "DOMAIN",
+        "EP_NAME",
+        "InferenceSession",
+        "KVCache",
+        "get_library_path",
+        "register",
+    ]

@@ -1,0 +1,126 @@
+"""fp64 numpy oracle for attention (verbatim ``ref_attn`` from /work/shared/CASES.md)
+plus layout helpers and the tolerances every test uses.
+
+Tolerances (never widen them to make a test pass):
+  fp32:       atol=1e-5, rtol=1e-4
+  fp16/bf16:  atol=2e-2, rtol=2e-2
+"""
+import numpy as np
+
+try:  # bfloat16 numpy dtype
+    import ml_dtypes
+
+    BF16 = np.dtype(ml_dtypes.bfloat16)
+except ImportError:  # pragma: no cover
+    ml_dtypes = None
+    BF16 = None
+
+FP32_ATOL, FP32_RTOL = 1e-5, 1e-4
+LOWP_ATOL, LOWP_RTOL = 2e-2, 2e-2
+
+DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16)}
+if BF16 is not None:
+    DTYPES["bfloat16"] = BF16
+
+
+def np_dtype(dtype):
+    if isinstance(dtype, str):
+        return DTYPES[dtype]
+    return np.dtype(dtype)
+
+
+def dtype_name(dtype):
+    d = np_dtype(dtype)
+    for k, v in DTYPES.items():
+        if v == d:
+            return k
+    raise ValueError(dtype)
+
+
+def tol(dtype):
+    """(atol, rtol) for a storage dtype."""
+    return (FP32_ATOL, FP32_RTOL) if np_dtype(dtype) == np.float32 else (LOWP_ATOL, LOWP_RTOL)
+
+
+def assert_close(actual, expected, dtype, msg=""):
+    atol, rtol = tol(dtype)
+    a = np.asarray(actual).astype(np.float64)
+    e = np.asarray(expected).astype(np.float64)
+    assert a.shape == e.shape, f"{msg}: shape {a.shape} != {e.shape}"
+    assert np.all(np.isfinite(a)), f"{msg}: non-finite values in output"
+    np.testing.assert_allclose(a, e, atol=atol, rtol=rtol, err_msg=msg)
+
+
+def ref_attn(q, k_new, v_new, past_k=None, past_v=None, *, scale=None, causal=True,
+             q_offset=None, window=None, softcap=0.0, add_mask=None, key_valid=None):
+    f = np.float64
+    q, k_new, v_new = q.astype(f), k_new.astype(f), v_new.astype(f)
+    K = k_new if past_k is None else np.concatenate([past_k.astype(f), k_new], 2)
+    V = v_new if past_v is None else np.concatenate([past_v.astype(f), v_new], 2)
+    B, Hq, S, D = q.shape
+    T, g = K.shape[2], Hq // K.shape[1]
+    K, V = np.repeat(K, g, axis=1), np.repeat(V, g, axis=1)      # rule 1
+    s = (q @ K.transpose(0, 1, 3, 2)) * (1.0 / np.sqrt(D) if scale is None else scale)
+    if softcap and softcap > 0:
+        s = softcap * np.tanh(s / softcap)                          # rule 5
+    off = (T - S) if q_offset is None else q_offset
+    i = np.arange(S)[:, None] + off
+    j = np.arange(T)[None, :]
+    allow = np.ones((B, Hq, S, T), bool)
+    if causal:            allow &= (j <= i)                         # rule 2
+    if window is not None: allow &= (j > i - window)                # rule 3
+    if key_valid is not None: allow &= key_valid[:, None, None, :]  # (B, T) bool
+    s = s + np.where(allow, 0.0, -np.inf)
+    if add_mask is not None:
+        s = s + add_mask                                            # broadcast to (B,Hq,S,T)
+    m = s.max(-1, keepdims=True)
+    dead = ~np.isfinite(m)
+    e = np.where(dead, 0.0, np.exp(s - np.where(dead, 0.0, m)))
+    den = e.sum(-1, keepdims=True)
+    p = np.where(den > 0, e / np.where(den > 0, den, 1.0), 0.0)     # rule 6
+    return p @ V, p, K, V          # output (B,Hq,S,D), probs, expanded K/V
+
+
+def bool_to_additive(mask):
+    """bool mask (True = attend) -> fp64 additive mask (0 / -inf)."""
+    return np.where(np.asarray(mask, bool), 0.0, -np.inf)
+
+
+def to_bnsh(x, num_heads):
+    """[B, S, H*D] -> [B, H, S, D]."""
+    B, S, HD = x.shape
+    assert HD % num_heads == 0
+    return x.reshape(B, S, num_heads, HD // num_heads).transpose(0, 2, 1, 3)
+
+
+def from_bnsh(x):
+    """[B, H, S, D] -> [B, S, H*D]."""
+    B, H, S, D = x.shape
+    return np.ascontiguousarray(x.transpose(0, 2, 1, 3)).reshape(B, S, H * D)
+
+
+def ragged(rows, n_valid):
+    """Right-pad per-row data: ``rows`` is [B, H, S, D]; returns a copy whose
+    positions ``>= n_valid[b]`` of row b are zero (what a right-padded batch looks like)."""
+    out = np.array(rows, copy=True)
+    for b, n in enumerate(n_valid):
+        out[b, :, n:, :] = 0
+    return out
+
+
+def ref_rows(q, k, v, past_k, past_v, n_new, past_len, **kw):
+    """Per-row oracle for a ragged batch (BNSH). Row b: its ``past_len[b]`` cached keys
+    plus the first ``n_new[b]`` new rows; query rows ``>= n_new[b]`` are zeros.
+    ``past_k/past_v`` may be None (empty past)."""
+    B, Hq, S, _ = q.shape
+    Dv = v.shape[-1]
+    out = np.zeros((B, Hq, S, Dv))
+    for b in range(B):
+        n, p = int(n_new[b]), int(past_len[b])
+        if n == 0:
+            continue
+        pk = None if past_k is None else past_k[b:b + 1, :, :p]
+        pv = None if past_v is None else past_v[b:b + 1, :, :p]
+        out[b:b + 1, :, :n] = ref_attn(q[b:b + 1, :, :n], k[b:b + 1, :, :n], v[b:b + 1, :, :n],
+                                       pk, pv, **kw)[0]
+    return out
