@@ -438,6 +438,10 @@ OrtStatus* add_custom_op_domain(OrtSessionOptions* options) {
 }  // namespace provider
 }  // namespace olep
 
+namespace {
+constexpr const char* kRegisteredKey = "onnx_light.custom_ops_registered";
+}
+
 extern "C" {
 
 /// Custom-op library entry point (SessionOptions.register_custom_ops_library).
@@ -447,7 +451,14 @@ __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL RegisterCustomOps
     const OrtApi* any = api_base ? api_base->GetApi(1) : nullptr;
     return any ? any->CreateStatus(ORT_FAIL, err) : nullptr;
   }
-  return olep::provider::add_custom_op_domain(options);
+  // Idempotent per SessionOptions: ORT rejects a second ai.onnx_light domain on one session
+  // ("Domain already set in registry"), and users (or register()) may call this twice.
+  const OrtApi& a = olep::provider::api();
+  int has = 0;
+  if (OrtStatus* st = a.HasSessionConfigEntry(options, kRegisteredKey, &has)) return st;
+  if (has) return nullptr;
+  if (OrtStatus* st = olep::provider::add_custom_op_domain(options)) return st;
+  return a.AddSessionConfigEntry(options, kRegisteredKey, "1");
 }
 
 }  // extern "C"
