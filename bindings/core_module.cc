@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/attention.h"
 #include "kvcache/kv_cache.h"
 
 namespace py = pybind11;
@@ -181,4 +182,19 @@ PYBIND11_MODULE(_core, m) {
   m.def("export", &export_layer);
   m.def("import_past", &import_past);
   m.def("library_path", &library_path);
+  m.def("isa", [] { return std::string(olep::kernels::isa_name(olep::kernels::active_isa())); },
+        "Attention kernel ISA level in use: 'scalar', 'avx2' or 'avx512'.");
+  m.def("detected_isa", [] { return std::string(olep::kernels::isa_name(olep::kernels::detected_isa())); },
+        "Best ISA level this CPU supports.");
+  m.def(
+      "set_isa",
+      [](const std::string& name) {
+        olep::kernels::Isa isa;
+        if (name == "scalar") isa = olep::kernels::Isa::kScalar;
+        else if (name == "avx2") isa = olep::kernels::Isa::kAvx2;
+        else if (name == "avx512") isa = olep::kernels::Isa::kAvx512;
+        else throw std::invalid_argument("set_isa: expected 'scalar', 'avx2' or 'avx512', got '" + name + "'");
+        olep::kernels::set_isa(isa);
+      },
+      "Forces the attention kernel ISA level for this process (tests, benchmarks); ValueError if the CPU lacks it.");
 }

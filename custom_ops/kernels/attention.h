@@ -3,9 +3,14 @@
 // GroupQueryAttention: query head h reads kv head h / (q_num_heads / kv_num_heads)).
 //
 // For every query row: online softmax over the keys, block by block (running
-// max, running sum, weighted V accumulation), scores never materialized, all
-// arithmetic in float32 whatever the storage type. Each K/V row is loaded and
-// converted once per group, not once per query head.
+// max, running sum, weighted V accumulation); scores exist only for one tile
+// of keys at a time, never for the whole sequence; all arithmetic in float32
+// whatever the storage type. Each K/V row is loaded (and converted) once per
+// group and tile, not once per query head.
+//
+// A key range can be processed in pieces (split-KV): each piece yields an
+// AttentionState, and merge_states() combines them exactly (in a fixed order,
+// so results do not depend on the thread count).
 //
 // Kernels know nothing of ORT, ONNX or the cache arena: they get plain views.
 #pragma once
@@ -21,7 +26,7 @@ namespace kernels {
 enum class MaskKind { kNone, kBool, kAdditive };
 
 /// attn_mask for one sequence, already offset to (batch b, first query head of
-/// the group). Element strides; 0 on a broadcast dimension.
+/// the group, query row 0). Element strides; 0 on a broadcast dimension.
 /// kBool: uint8/bool, nonzero = attend. kAdditive: `dtype` values added to the
 /// scaled (and soft-capped) score; a value <= the lowest finite value of its
 /// dtype (-inf, or finfo.min as exporters write it) masks the key out entirely.
@@ -34,37 +39,77 @@ struct MaskView {
   int64_t key_stride = 0;
 };
 
-/// One (sequence, kv head) work item. Element strides; all pointers in `dtype`.
+/// One (sequence, kv head, block of query rows) work item. Element strides;
+/// q/out in `dtype`.
 struct AttentionGroup {
   DType dtype = DType::kFloat32;
-  const void* q = nullptr;  // (first head of the group, row 0)
+  const void* q = nullptr;  // (first head of the group, first row of the block)
   int64_t q_head_stride = 0;
   int64_t q_row_stride = 0;
   void* out = nullptr;  // same addressing as q, v_head_dim wide
   int64_t out_head_stride = 0;
   int64_t out_row_stride = 0;
   int64_t group_size = 1;      // query heads sharing the kv head
-  int64_t num_rows = 0;        // query rows S
+  int64_t num_rows = 0;        // query rows in this item
   int64_t num_valid_rows = 0;  // rows >= this (right padding) get zeros
-  int64_t q_offset = 0;        // absolute position of query row 0 (past length)
+  int64_t q_offset = 0;        // absolute position of this item's query row 0
   int64_t num_keys = 0;        // keys that exist: positions [0, num_keys)
   const KVBlock* blocks = nullptr;
   int64_t num_blocks = 0;
   int64_t head_dim = 0;
   int64_t v_head_dim = 0;
   float scale = 1.0f;
-  float softcap = 0.0f;        // > 0: softcap * tanh(score / softcap), before the mask
-  bool is_causal = false;      // key j visible to row i iff j <= q_offset + i
+  float softcap = 0.0f;            // > 0: softcap * tanh(score / softcap), before the mask
+  bool is_causal = false;          // key j visible to row i iff j <= q_offset + i
   int64_t local_window_size = -1;  // > 0: also j > q_offset + i - local_window_size
-  MaskView mask;
+  MaskView mask;                   // offset to this item's row 0
 };
 
-/// float32 scratch elements attend_group needs for `a`.
-int64_t attend_scratch_floats(const AttentionGroup& a);
+/// Online-softmax state of R = group_size * num_rows rows (row r = h * num_rows + i):
+/// running max m[r], running sum l[r] (relative to m), unnormalized output acc[r * v_head_dim + d].
+struct AttentionState {
+  float* m = nullptr;
+  float* l = nullptr;
+  float* acc = nullptr;
+};
 
-/// Scalar reference kernel (the test oracle for every ISA variant).
-/// A row that sees no key gets zeros. `scratch` holds attend_scratch_floats(a) floats.
-void attend_group_scalar(const AttentionGroup& a, float* scratch);
+/// Floats of one AttentionState for `a` (m, l and acc together).
+int64_t state_floats(const AttentionGroup& a);
+/// Points s into `buffer` (state_floats(a) floats) and resets it (m = -inf, l = 0, acc = 0).
+void init_state(const AttentionGroup& a, float* buffer, AttentionState* s);
+/// Folds `src` into `dst` exactly: max of maxima, sums and accumulators rescaled.
+void merge_states(const AttentionGroup& a, AttentionState* dst, const AttentionState& src);
+/// Writes out = acc / l (zeros where nothing was visible or the row is padding) in `dtype`.
+void finalize(const AttentionGroup& a, const AttentionState& s);
+
+/// Instruction-set levels, best last. The scalar level is always built and is the test oracle.
+enum class Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+const char* isa_name(Isa isa);
+/// Best level this CPU supports.
+Isa detected_isa();
+/// Level in use: detected_isa(), or ONNX_LIGHT_ISA=scalar|avx2|avx512 from the environment
+/// at first use, or set_isa(). A level the CPU lacks is refused.
+Isa active_isa();
+/// Forces a level (tests, benchmarks). Throws std::invalid_argument if the CPU lacks it.
+void set_isa(Isa isa);
+
+/// float32 scratch a call of attend_range needs for `a` (beyond the state).
+int64_t scratch_floats(const AttentionGroup& a);
+/// Processes keys [key_begin, key_end) into `state` with the active ISA level.
+/// `scratch` holds scratch_floats(a) floats.
+void attend_range(const AttentionGroup& a, int64_t key_begin, int64_t key_end, AttentionState* state, float* scratch);
+
+/// Per-level implementations (attend_range dispatches). Same contract.
+void attend_range_scalar(const AttentionGroup& a, int64_t key_begin, int64_t key_end, AttentionState* state,
+                         float* scratch);
+void attend_range_avx2(const AttentionGroup& a, int64_t key_begin, int64_t key_end, AttentionState* state,
+                       float* scratch);
+void attend_range_avx512(const AttentionGroup& a, int64_t key_begin, int64_t key_end, AttentionState* state,
+                         float* scratch);
+
+/// Convenience: the whole key range, then finalize (tests, small calls).
+void attend_group(const AttentionGroup& a, float* scratch_and_state);
+int64_t attend_group_floats(const AttentionGroup& a);
 
 }  // namespace kernels
 }  // namespace olep

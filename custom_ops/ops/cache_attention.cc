@@ -5,6 +5,7 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "kernels/attention.h"
 #include "kvcache/kv_cache.h"
@@ -41,33 +42,6 @@ void strides(int64_t rank, int64_t H, int64_t S, int64_t D, int64_t out[3]) {
 }
 
 }  // namespace
-
-const char* elem_type_name(ElemType t) {
-  switch (t) {
-    case ElemType::kFloat32: return "float";
-    case ElemType::kFloat16: return "float16";
-    case ElemType::kBFloat16: return "bfloat16";
-    case ElemType::kBool: return "bool";
-    case ElemType::kInt32: return "int32";
-    case ElemType::kInt64: return "int64";
-    default: return "unsupported";
-  }
-}
-
-std::string shape_str(const std::vector<int64_t>& s) {
-  std::string out = "[";
-  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
-  return out + "]";
-}
-
-int64_t read_cache_handle(const Tensor& cache, const char* op) {
-  if (cache.type != ElemType::kInt64 || cache.numel() != 1 || cache.data == nullptr)
-    throw std::invalid_argument(std::string(op) + ": input 'cache' must be an int64 tensor with 1 element (a KVCache "
-                                "handle); got " + elem_type_name(cache.type) + " " + shape_str(cache.shape));
-  int64_t h;
-  std::memcpy(&h, cache.data, sizeof(h));
-  return h;
-}
 
 void validate(const CacheAttentionAttrs& a) {
   if (a.layer < 0) fail("attribute 'layer' is required and must be >= 0; got " + str(a.layer));
@@ -142,6 +116,156 @@ std::vector<int64_t> output_shape(const AttentionDims& d) {
   if (d.rank == 3) return {d.batch, d.seq, d.q_heads * d.v_head_dim};
   return {d.batch, d.q_heads, d.seq, d.v_head_dim};
 }
+
+namespace {
+
+// Work decomposition (fixed by the problem shape, never by the thread count, so
+// 1 and N threads give bit-identical results):
+//   item = (sequence b, kv head h, query block, KV split)
+// Query blocks keep group_size * rows <= 64 state rows (bounded scratch in
+// prefill). KV splits are used only when the other dimensions give fewer than
+// kMinItems items; partial states are merged in split order.
+constexpr int64_t kMaxStateRows = 64;
+constexpr int64_t kMinItems = 8;
+constexpr int64_t kMinSplitKeys = 512;
+
+struct Plan {
+  int64_t rows_per_block, num_qblocks, num_splits;
+};
+
+Plan make_plan(const AttentionDims& d, int64_t max_keys) {
+  Plan p;
+  const int64_t G = d.q_heads / d.kv_heads;
+  p.rows_per_block = std::max<int64_t>(1, std::min<int64_t>(d.seq, kMaxStateRows / G));
+  p.num_qblocks = (d.seq + p.rows_per_block - 1) / p.rows_per_block;
+  const int64_t base = d.batch * d.kv_heads * p.num_qblocks;
+  p.num_splits = 1;
+  if (base < kMinItems && max_keys >= 2 * kMinSplitKeys)
+    p.num_splits = std::min((kMinItems + base - 1) / base, max_keys / kMinSplitKeys);
+  return p;
+}
+
+float* thread_scratch(size_t floats) {
+  thread_local std::vector<float> buf;
+  if (buf.size() < floats) buf.resize(floats);
+  return buf.data();
+}
+
+void run_attention(const CacheAttentionAttrs& a, const AttentionDims& d, DType dt, const KVCache& cache,
+                   const Tensor& query, const std::vector<int64_t>& past, const std::vector<int64_t>& num_new,
+                   const Tensor* mask, const kernels::MaskView& mask_base, int64_t mask_batch_stride, void* y,
+                   const ParallelFor& parallel_for) {
+  const int64_t G = d.q_heads / d.kv_heads;
+  const float scale = a.scale > 0.0f ? a.scale : 1.0f / std::sqrt(static_cast<float>(d.head_dim));
+  const size_t es = dtype_size(dt);
+  int64_t qs[3], ys[3];
+  strides(d.rank, d.q_heads, d.seq, d.head_dim, qs);
+  strides(d.rank, d.q_heads, d.seq, d.v_head_dim, ys);
+  int64_t max_keys = 0;
+  for (int64_t b = 0; b < d.batch; ++b)
+    max_keys = std::max(max_keys, past[static_cast<size_t>(b)] + num_new[static_cast<size_t>(b)]);
+  const Plan plan = make_plan(d, max_keys);
+  const size_t mes = mask ? (mask->type == ElemType::kBool ? 1 : (mask->type == ElemType::kFloat32 ? 4 : 2)) : 0;
+
+  // Describes work item (b, h, qb) without its key range.
+  auto group = [&](int64_t b, int64_t h, int64_t qb, KVBlock* blocks) {
+    const int64_t i0 = qb * plan.rows_per_block;
+    const int64_t rows = std::min(plan.rows_per_block, d.seq - i0);
+    const int64_t n_keys = past[static_cast<size_t>(b)] + num_new[static_cast<size_t>(b)];
+    kernels::AttentionGroup ag;
+    ag.dtype = dt;
+    ag.q = static_cast<const char*>(query.data) + static_cast<size_t>(b * qs[0] + h * G * qs[1] + i0 * qs[2]) * es;
+    ag.q_head_stride = qs[1];
+    ag.q_row_stride = qs[2];
+    ag.out = static_cast<char*>(y) + static_cast<size_t>(b * ys[0] + h * G * ys[1] + i0 * ys[2]) * es;
+    ag.out_head_stride = ys[1];
+    ag.out_row_stride = ys[2];
+    ag.group_size = G;
+    ag.num_rows = rows;
+    ag.num_valid_rows = std::max<int64_t>(0, std::min(num_new[static_cast<size_t>(b)] - i0, rows));
+    ag.q_offset = past[static_cast<size_t>(b)] + i0;
+    ag.num_keys = n_keys;
+    ag.num_blocks = cache.blocks(a.layer, b, h, n_keys, blocks, 1);
+    ag.blocks = blocks;
+    ag.head_dim = d.head_dim;
+    ag.v_head_dim = d.v_head_dim;
+    ag.scale = scale;
+    ag.softcap = a.softcap;
+    ag.is_causal = a.is_causal != 0;
+    ag.local_window_size = a.local_window_size;
+    ag.mask = mask_base;
+    if (mask)
+      ag.mask.data = static_cast<const char*>(mask->data) +
+                     static_cast<size_t>(b * mask_batch_stride + h * G * mask_base.head_stride +
+                                         i0 * mask_base.row_stride) * mes;
+    return ag;
+  };
+  auto split_range = [&](int64_t n_keys, int64_t sp, int64_t* k0, int64_t* k1) {
+    const int64_t chunk = ((n_keys + plan.num_splits - 1) / plan.num_splits + 15) / 16 * 16;
+    *k0 = std::min(n_keys, sp * chunk);
+    *k1 = std::min(n_keys, (sp + 1) * chunk);
+  };
+
+  const int64_t groups = d.batch * d.kv_heads * plan.num_qblocks;
+  const int64_t items = groups * plan.num_splits;
+  // One state per item when splitting; otherwise states live in thread scratch.
+  kernels::AttentionGroup probe;
+  {
+    KVBlock tmp[1];
+    probe = group(0, 0, 0, tmp);
+  }
+  const int64_t state_floats = kernels::state_floats(probe);
+  std::vector<float> states(plan.num_splits > 1 ? static_cast<size_t>(items * state_floats) : 0);
+
+  auto work = [&](int64_t item) {
+    const int64_t sp = item % plan.num_splits;
+    const int64_t g = item / plan.num_splits;
+    const int64_t qb = g % plan.num_qblocks;
+    const int64_t bh = g / plan.num_qblocks;
+    const int64_t b = bh / d.kv_heads, h = bh % d.kv_heads;
+    KVBlock blocks[1];
+    const kernels::AttentionGroup ag = group(b, h, qb, blocks);
+    const size_t scratch = static_cast<size_t>(kernels::scratch_floats(ag));
+    float* buf = thread_scratch(scratch + static_cast<size_t>(kernels::state_floats(ag)));
+    float* st_buf = plan.num_splits > 1 ? states.data() + item * state_floats : buf + scratch;
+    kernels::AttentionState st;
+    kernels::init_state(ag, st_buf, &st);
+    int64_t k0, k1;
+    split_range(ag.num_keys, sp, &k0, &k1);
+    if (k0 < k1) kernels::attend_range(ag, k0, k1, &st, buf);
+    if (plan.num_splits == 1) kernels::finalize(ag, st);
+  };
+  auto merge = [&](int64_t g) {
+    const int64_t qb = g % plan.num_qblocks;
+    const int64_t bh = g / plan.num_qblocks;
+    KVBlock blocks[1];
+    const kernels::AttentionGroup ag = group(bh / d.kv_heads, bh % d.kv_heads, qb, blocks);
+    kernels::AttentionState dst;
+    dst.m = states.data() + g * plan.num_splits * state_floats;
+    const int64_t R = ag.group_size * ag.num_rows;
+    dst.l = dst.m + R;
+    dst.acc = dst.m + 2 * R;
+    for (int64_t sp = 1; sp < plan.num_splits; ++sp) {
+      kernels::AttentionState src;
+      src.m = dst.m + sp * state_floats;
+      src.l = src.m + R;
+      src.acc = src.m + 2 * R;
+      kernels::merge_states(ag, &dst, src);
+    }
+    kernels::finalize(ag, dst);
+  };
+  auto run = [&](int64_t n, const std::function<void(int64_t)>& fn) {
+    if (parallel_for && n > 1) {
+      parallel_for(n, fn);
+    } else {
+      for (int64_t i = 0; i < n; ++i) fn(i);
+    }
+  };
+  run(items, work);
+  if (plan.num_splits > 1) run(groups, merge);
+}
+
+}  // namespace
 
 void cache_attention(const CacheAttentionAttrs& a, const Tensor& query, const Tensor& key, const Tensor& value,
                      const Tensor& cache_t, const Tensor* mask, const Tensor* seqlens_k, void* y,
@@ -224,11 +348,9 @@ void cache_attention(const CacheAttentionAttrs& a, const Tensor& query, const Te
 
   // Nothing has been written yet; from here on the cache changes.
   cache->begin_layer_append(a.layer, d.seq, num_new);
-  int64_t ks[3], vs[3], qs[3], ys[3];
+  int64_t ks[3], vs[3];
   strides(d.rank, d.kv_heads, d.seq, d.head_dim, ks);
   strides(d.rank, d.kv_heads, d.seq, d.v_head_dim, vs);
-  strides(d.rank, d.q_heads, d.seq, d.head_dim, qs);
-  strides(d.rank, d.q_heads, d.seq, d.v_head_dim, ys);
   NewRows rows;
   rows.key = key.data;
   rows.value = value.data;
@@ -238,49 +360,7 @@ void cache_attention(const CacheAttentionAttrs& a, const Tensor& query, const Te
   rows.num_new = num_new.data();
   cache->append_rows(a.layer, rows);
 
-  const int64_t G = d.q_heads / d.kv_heads;
-  const float scale = a.scale > 0.0f ? a.scale : 1.0f / std::sqrt(static_cast<float>(d.head_dim));
-  const size_t es = dtype_size(dt);
-  auto work = [&](int64_t item) {
-    const int64_t b = item / d.kv_heads, h = item % d.kv_heads;
-    const int64_t n_keys = past[static_cast<size_t>(b)] + num_new[static_cast<size_t>(b)];
-    KVBlock blocks[1];
-    kernels::AttentionGroup ag;
-    ag.dtype = dt;
-    ag.q = static_cast<const char*>(query.data) + static_cast<size_t>(b * qs[0] + h * G * qs[1]) * es;
-    ag.q_head_stride = qs[1];
-    ag.q_row_stride = qs[2];
-    ag.out = static_cast<char*>(y) + static_cast<size_t>(b * ys[0] + h * G * ys[1]) * es;
-    ag.out_head_stride = ys[1];
-    ag.out_row_stride = ys[2];
-    ag.group_size = G;
-    ag.num_rows = d.seq;
-    ag.num_valid_rows = num_new[static_cast<size_t>(b)];
-    ag.q_offset = past[static_cast<size_t>(b)];
-    ag.num_keys = n_keys;
-    ag.num_blocks = cache->blocks(a.layer, b, h, n_keys, blocks, 1);
-    ag.blocks = blocks;
-    ag.head_dim = d.head_dim;
-    ag.v_head_dim = d.v_head_dim;
-    ag.scale = scale;
-    ag.softcap = a.softcap;
-    ag.is_causal = a.is_causal != 0;
-    ag.local_window_size = a.local_window_size;
-    ag.mask = mask_base;
-    if (mask) {
-      const size_t mes = mask->type == ElemType::kBool ? 1 : (mask->type == ElemType::kFloat32 ? 4 : 2);
-      ag.mask.data = static_cast<const char*>(mask->data) +
-                     static_cast<size_t>(b * mask_batch_stride + h * G * mask_base.head_stride) * mes;
-    }
-    std::vector<float> scratch(static_cast<size_t>(kernels::attend_scratch_floats(ag)));
-    kernels::attend_group_scalar(ag, scratch.data());
-  };
-  const int64_t items = d.batch * d.kv_heads;
-  if (parallel_for && items > 1) {
-    parallel_for(items, work);
-  } else {
-    for (int64_t i = 0; i < items; ++i) work(i);
-  }
+  run_attention(a, d, dt, *cache, query, past, num_new, mask, mask_base, mask_batch_stride, y, parallel_for);
   cache->finish_layer_append(a.layer);
 }
 

@@ -132,8 +132,8 @@ void run_case(const Case& c, uint32_t seed, double tol) {
     a.mask.row_stride = T;
     a.mask.key_stride = 1;
   }
-  std::vector<float> scratch(static_cast<size_t>(attend_scratch_floats(a)));
-  attend_group_scalar(a, scratch.data());
+  std::vector<float> scratch(static_cast<size_t>(attend_group_floats(a)));
+  attend_group(a, scratch.data());
   for (int64_t h = 0; h < c.G; ++h)
     for (int64_t i = 0; i < c.S; ++i)
       for (int64_t d = 0; d < c.Dv; ++d) {
@@ -152,9 +152,40 @@ void run_case(const Case& c, uint32_t seed, double tol) {
       }
 }
 
+// Split-KV: a key range processed in pieces and merged equals one pass.
+void split_matches_single_pass() {
+  const int64_t G = 4, D = 32, T = 200;
+  std::mt19937 rng(3);
+  std::normal_distribution<float> nd;
+  std::vector<float> q(static_cast<size_t>(G * D)), k(static_cast<size_t>(T * D)), v(k.size()), o1(q.size()), o2(q.size());
+  for (auto* x : {&q, &k, &v})
+    for (auto& e : *x) e = nd(rng);
+  KVBlock blk{k.data(), v.data(), 0, T};
+  AttentionGroup a;
+  a.q = q.data(); a.q_head_stride = D; a.q_row_stride = D;
+  a.out_head_stride = D; a.out_row_stride = D;
+  a.group_size = G; a.num_rows = 1; a.num_valid_rows = 1; a.q_offset = T - 1; a.num_keys = T;
+  a.blocks = &blk; a.num_blocks = 1; a.head_dim = D; a.v_head_dim = D; a.scale = 0.2f; a.is_causal = true;
+  std::vector<float> s1(static_cast<size_t>(state_floats(a))), s2(s1.size()), s3(s1.size());
+  std::vector<float> scratch(static_cast<size_t>(scratch_floats(a)));
+  AttentionState whole, left, right;
+  init_state(a, s1.data(), &whole);
+  attend_range(a, 0, T, &whole, scratch.data());
+  init_state(a, s2.data(), &left);
+  init_state(a, s3.data(), &right);
+  attend_range(a, 0, 80, &left, scratch.data());
+  attend_range(a, 80, T, &right, scratch.data());
+  merge_states(a, &left, right);
+  a.out = o1.data();
+  finalize(a, whole);
+  a.out = o2.data();
+  finalize(a, left);
+  for (size_t i = 0; i < o1.size(); ++i) CHECK_NEAR(o1[i], o2[i], 1e-6);
+}
+
 }  // namespace
 
-int main() {
+void run_all() {
   uint32_t seed = 1;
   for (int64_t G : {1, 4})
     for (int64_t S : {1, 5})
@@ -202,9 +233,34 @@ int main() {
     a.num_rows = 1; a.num_valid_rows = 1; a.q_offset = 1; a.num_keys = 2;
     a.blocks = &b; a.num_blocks = 1; a.head_dim = D; a.v_head_dim = D;
     a.scale = 1.0f / 8.0f; a.is_causal = true;
-    std::vector<float> scratch(static_cast<size_t>(attend_scratch_floats(a)));
-    attend_group_scalar(a, scratch.data());
+    std::vector<float> scratch(static_cast<size_t>(attend_group_floats(a)));
+    attend_group(a, scratch.data());
     for (int64_t d = 0; d < D; ++d) CHECK_NEAR(half_to_float(out[static_cast<size_t>(d)]), 0.25f * (d % 7), 1e-3);
+  }
+  // Wider heads, long key ranges over several blocks and tiles, partial tiles.
+  for (int64_t D : {16, 64, 128}) {
+    Case w;
+    w.G = 4; w.S = 1; w.P = 300; w.D = D; w.Dv = D; w.blocks = 3; w.mask = 2;
+    run_case(w, 11 + static_cast<uint32_t>(D), 2e-5);
+    w.S = 7; w.mask = 1; w.window = 100;
+    run_case(w, 12 + static_cast<uint32_t>(D), 2e-5);
+  }
+  Case odd;  // head_dim not a multiple of the vector width: SIMD levels fall back to scalar
+  odd.G = 2; odd.S = 2; odd.P = 5; odd.D = 12; odd.Dv = 12;
+  run_case(odd, 21, 1e-5);
+  split_matches_single_pass();
+}
+
+int main() {
+  for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512}) {
+    if (static_cast<int>(isa) > static_cast<int>(detected_isa())) {
+      std::printf("ISA %s: not supported by this CPU, not run\n", isa_name(isa));
+      continue;
+    }
+    set_isa(isa);
+    const int before = failures();
+    run_all();
+    std::printf("ISA %s: %s\n", isa_name(isa), failures() == before ? "ok" : "FAILED");
   }
   TEST_MAIN_END();
 }

@@ -1,0 +1,106 @@
+// AVX2 + FMA + F16C instantiation of the SIMD attention kernel. Compiled with
+// -mavx2 -mfma -mf16c; only called after run-time detection.
+#include <immintrin.h>
+
+#include "kernels/attention_simd.h"
+
+namespace olep {
+namespace kernels {
+namespace {
+
+struct Avx2 {
+  static constexpr int W = 8;
+  using vf = __m256;
+  static vf zero() { return _mm256_setzero_ps(); }
+  static vf set1(float x) { return _mm256_set1_ps(x); }
+  static vf load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, vf v) { _mm256_storeu_ps(p, v); }
+  static vf load_f16(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static vf load_bf16(const uint16_t* p) {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+  }
+  static vf fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+  static vf add(vf a, vf b) { return _mm256_add_ps(a, b); }
+  static vf sub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+  static vf mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+  static vf div(vf a, vf b) { return _mm256_div_ps(a, b); }
+  static vf abs(vf a) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), a); }
+  static vf copysign(vf mag, vf sign) {
+    const vf m = _mm256_set1_ps(-0.0f);
+    return _mm256_or_ps(_mm256_andnot_ps(m, mag), _mm256_and_ps(m, sign));
+  }
+  static float reduce_max(vf v) {
+    __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_max_ss(x, _mm_shuffle_ps(x, x, 1));
+    return _mm_cvtss_f32(x);
+  }
+  static float reduce_add(vf v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_add_ss(x, _mm_shuffle_ps(x, x, 1));
+    return _mm_cvtss_f32(x);
+  }
+  static unsigned key_range(int64_t j0, int64_t lo, int64_t hi) {
+    if (hi <= lo) return 0;
+    const int64_t a = lo - j0, b = hi - j0;
+    const unsigned upto = b >= W ? 0xffu : ((1u << b) - 1u);
+    const unsigned from = a <= 0 ? 0xffu : (0xffu & ~((1u << a) - 1u));
+    return upto & from;
+  }
+  static unsigned bool_bits(const uint8_t* p, int64_t n) {
+    if (n == W) {
+      const __m128i z = _mm_cmpeq_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)), _mm_setzero_si128());
+      return ~static_cast<unsigned>(_mm_movemask_epi8(z)) & 0xffu;
+    }
+    unsigned bits = 0;
+    for (int64_t t = 0; t < n; ++t) bits |= (p[t] != 0 ? 1u : 0u) << t;
+    return bits;
+  }
+  static unsigned gt_bits(vf v, float x) {
+    return static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_set1_ps(x), _CMP_GT_OQ)));
+  }
+  static vf select(unsigned bits, vf if_set, vf otherwise) {
+    const __m256i lanes = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    const __m256i m = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(static_cast<int>(bits)), lanes), lanes);
+    return _mm256_blendv_ps(otherwise, if_set, _mm256_castsi256_ps(m));
+  }
+  static vf exp(vf x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, set1(-87.33654f)), set1(88.72283f));
+    const vf n = _mm256_round_ps(mul(x, set1(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    vf r = _mm256_fnmadd_ps(n, set1(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, set1(-2.12194440e-4f), r);
+    vf p = set1(1.9875691500e-4f);
+    p = fma(p, r, set1(1.3981999507e-3f));
+    p = fma(p, r, set1(8.3334519073e-3f));
+    p = fma(p, r, set1(4.1665795894e-2f));
+    p = fma(p, r, set1(1.6666665459e-1f));
+    p = fma(p, r, set1(5.0000001201e-1f));
+    p = fma(p, mul(r, r), add(r, set1(1.0f)));
+    // 2^n for n in [-126, 128): build the exponent bits; n = 128 only for x near the clamp.
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(126)), 23);
+    return mul(mul(p, _mm256_castsi256_ps(e)), set1(2.0f));
+  }
+  static vf transpose_reduce(const vf* acc) {
+    vf w[4];
+    for (int k = 0; k < 4; ++k)
+      w[k] = add(_mm256_unpacklo_ps(acc[2 * k], acc[2 * k + 1]), _mm256_unpackhi_ps(acc[2 * k], acc[2 * k + 1]));
+    vf x[2];
+    for (int k = 0; k < 2; ++k) {
+      const __m256d a = _mm256_castps_pd(w[2 * k]), b = _mm256_castps_pd(w[2 * k + 1]);
+      x[k] = add(_mm256_castpd_ps(_mm256_unpacklo_pd(a, b)), _mm256_castpd_ps(_mm256_unpackhi_pd(a, b)));
+    }
+    return add(_mm256_permute2f128_ps(x[0], x[1], 0x20), _mm256_permute2f128_ps(x[0], x[1], 0x31));
+  }
+};
+
+}  // namespace
+
+void attend_range_avx2(const AttentionGroup& a, int64_t key_begin, int64_t key_end, AttentionState* state,
+                       float* scratch) {
+  simd::attend_range<Avx2>(a, key_begin, key_end, state, scratch);
+}
+
+}  // namespace kernels
+}  // namespace olep

@@ -1,0 +1,138 @@
+// AttentionState bookkeeping, exact merge, finalize and run-time ISA dispatch.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+#include "kernels/attention.h"
+#include "kernels/attention_internal.h"
+
+namespace olep {
+namespace kernels {
+
+int64_t state_floats(const AttentionGroup& a) {
+  const int64_t R = a.group_size * a.num_rows;
+  return R * (2 + a.v_head_dim);
+}
+
+void init_state(const AttentionGroup& a, float* buffer, AttentionState* s) {
+  const int64_t R = a.group_size * a.num_rows;
+  s->m = buffer;
+  s->l = buffer + R;
+  s->acc = buffer + 2 * R;
+  std::fill(s->m, s->m + R, -INFINITY);
+  std::fill(s->l, s->l + R, 0.0f);
+  std::fill(s->acc, s->acc + R * a.v_head_dim, 0.0f);
+}
+
+void merge_states(const AttentionGroup& a, AttentionState* dst, const AttentionState& src) {
+  const int64_t R = a.group_size * a.num_rows, Dv = a.v_head_dim;
+  for (int64_t r = 0; r < R; ++r) {
+    if (!(src.l[r] > 0.0f)) continue;
+    const float m = std::max(dst->m[r], src.m[r]);
+    const float cd = std::exp(dst->m[r] - m), cs = std::exp(src.m[r] - m);
+    dst->l[r] = dst->l[r] * cd + src.l[r] * cs;
+    float* o = dst->acc + r * Dv;
+    const float* x = src.acc + r * Dv;
+    for (int64_t d = 0; d < Dv; ++d) o[d] = o[d] * cd + x[d] * cs;
+    dst->m[r] = m;
+  }
+}
+
+void finalize(const AttentionGroup& a, const AttentionState& s) {
+  const int64_t G = a.group_size, S = a.num_rows, Dv = a.v_head_dim;
+  const int64_t valid = std::min(a.num_valid_rows, S);
+  for (int64_t h = 0; h < G; ++h)
+    for (int64_t i = 0; i < S; ++i) {
+      const int64_t r = h * S + i;
+      const int64_t off = h * a.out_head_stride + i * a.out_row_stride;
+      const float inv = (i < valid && s.l[r] > 0.0f) ? 1.0f / s.l[r] : 0.0f;
+      const float* acc = s.acc + r * Dv;
+      if (a.dtype == DType::kFloat32) {
+        float* o = static_cast<float*>(a.out) + off;
+        for (int64_t d = 0; d < Dv; ++d) o[d] = acc[d] * inv;
+      } else {
+        for (int64_t d = 0; d < Dv; ++d) detail::store(a.dtype, a.out, off + d, acc[d] * inv);
+      }
+    }
+}
+
+int64_t scratch_floats(const AttentionGroup& a) {
+  const int64_t R = a.group_size * a.num_rows;
+  // q rows (pre-converted), one K/V tile of 16 keys converted to float, 16 probabilities per row.
+  return R * a.head_dim + 16 * (a.head_dim + a.v_head_dim) + R * 16 + a.head_dim + a.v_head_dim + 64;
+}
+
+const char* isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::kScalar: return "scalar";
+    case Isa::kAvx2: return "avx2";
+    case Isa::kAvx512: return "avx512";
+  }
+  return "unknown";
+}
+
+Isa detected_isa() {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("fma"))
+    return Isa::kAvx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+    return Isa::kAvx2;
+  return Isa::kScalar;
+}
+
+namespace {
+std::atomic<int> g_isa{-1};
+
+Isa from_env() {
+  const Isa best = detected_isa();
+  const char* e = std::getenv("ONNX_LIGHT_ISA");
+  if (e == nullptr || *e == '\0') return best;
+  const std::string s(e);
+  Isa want = best;
+  if (s == "scalar") want = Isa::kScalar;
+  else if (s == "avx2") want = Isa::kAvx2;
+  else if (s == "avx512") want = Isa::kAvx512;
+  return static_cast<int>(want) <= static_cast<int>(best) ? want : best;
+}
+}  // namespace
+
+Isa active_isa() {
+  int v = g_isa.load(std::memory_order_relaxed);
+  if (v < 0) {
+    v = static_cast<int>(from_env());
+    g_isa.store(v, std::memory_order_relaxed);
+  }
+  return static_cast<Isa>(v);
+}
+
+void set_isa(Isa isa) {
+  if (static_cast<int>(isa) > static_cast<int>(detected_isa()))
+    throw std::invalid_argument(std::string("set_isa: this CPU does not support ") + isa_name(isa) + "; best is " +
+                                isa_name(detected_isa()));
+  g_isa.store(static_cast<int>(isa), std::memory_order_relaxed);
+}
+
+void attend_range(const AttentionGroup& a, int64_t key_begin, int64_t key_end, AttentionState* state, float* scratch) {
+  switch (active_isa()) {
+    case Isa::kAvx512: attend_range_avx512(a, key_begin, key_end, state, scratch); return;
+    case Isa::kAvx2: attend_range_avx2(a, key_begin, key_end, state, scratch); return;
+    case Isa::kScalar: attend_range_scalar(a, key_begin, key_end, state, scratch); return;
+  }
+}
+
+int64_t attend_group_floats(const AttentionGroup& a) { return state_floats(a) + scratch_floats(a); }
+
+void attend_group(const AttentionGroup& a, float* buf) {
+  AttentionState s;
+  init_state(a, buf, &s);
+  attend_range(a, 0, a.num_keys, &s, buf + state_floats(a));
+  finalize(a, s);
+}
+
+}  // namespace kernels
+}  // namespace olep

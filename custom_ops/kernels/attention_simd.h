@@ -1,0 +1,221 @@
+// SIMD attention kernel body, written once against a vector-traits class V
+// (V::W float lanes) and instantiated in attention_avx512.cc / attention_avx2.cc,
+// each compiled with its own ISA flags. Only those translation units include it.
+//
+// Per tile of W keys (K/V rows converted to float once per tile, shared by the
+// whole query-head group):
+//   scores  s[r][0..W) = q_r . k_j        (W accumulators, one transpose-reduce)
+//   online softmax per row: tile max, one rescale factor, p = exp(s - m)
+//   output  acc[r] = acc[r] * corr + sum_j p[r][j] v_j   (rescale fused into the load)
+// Layout: K and V rows as the cache stores them (row-major [position, head_dim]);
+// the tile loop reads each K/V row once per group from memory and then from L1.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "kernels/attention.h"
+#include "kernels/attention_internal.h"
+
+namespace olep {
+namespace kernels {
+namespace simd {
+
+template <class V>
+inline typename V::vf tanh_v(typename V::vf y) {
+  // tanh(y) = sign(y) * (1 - e) / (1 + e), e = exp(-2|y|) <= 1 (no overflow).
+  const typename V::vf ay = V::abs(y);
+  const typename V::vf e = V::exp(V::mul(ay, V::set1(-2.0f)));
+  const typename V::vf one = V::set1(1.0f);
+  const typename V::vf t = V::div(V::sub(one, e), V::add(one, e));
+  return V::copysign(t, y);
+}
+
+// Converts n rows of `cols` elements (storage type t) to float rows; rows n..W-1 are zero.
+template <class V>
+inline void load_tile(DType t, const void* src, int64_t n, int64_t cols, float* dst) {
+  constexpr int W = V::W;
+  if (t == DType::kFloat32) {
+    std::memcpy(dst, src, static_cast<size_t>(n * cols) * sizeof(float));
+  } else {
+    const uint16_t* s = static_cast<const uint16_t*>(src);
+    for (int64_t e = 0; e < n * cols; e += W)
+      V::store(dst + e, t == DType::kFloat16 ? V::load_f16(s + e) : V::load_bf16(s + e));
+  }
+  if (n < W) std::memset(dst + n * cols, 0, static_cast<size_t>((W - n) * cols) * sizeof(float));
+}
+
+template <class V>
+void attend_range(const AttentionGroup& a, int64_t key_begin, int64_t key_end, AttentionState* st, float* scratch) {
+  using vf = typename V::vf;
+  constexpr int W = V::W;
+  const int64_t G = a.group_size, S = a.num_rows, D = a.head_dim, Dv = a.v_head_dim;
+  if (D % W != 0 || Dv % W != 0) {
+    attend_range_scalar(a, key_begin, key_end, st, scratch);
+    return;
+  }
+  const int64_t valid = std::min(a.num_valid_rows, S);
+  const int64_t R = G * S;
+  float* qf = scratch;              // [R, D], scaled by `scale` unless softcap is on
+  float* ktile = qf + R * D;        // [W, D]
+  float* vtile = ktile + W * D;     // [W, Dv]
+  float* ptile = vtile + W * Dv;    // [R, W]
+  float* corr = ptile + R * W;      // [R]
+
+  const bool capped = a.softcap > 0.0f;
+  const float qscale = capped ? 1.0f : a.scale;
+  for (int64_t h = 0; h < G; ++h)
+    for (int64_t i = 0; i < valid; ++i) {
+      float* dst = qf + (h * S + i) * D;
+      const int64_t off = h * a.q_head_stride + i * a.q_row_stride;
+      for (int64_t d = 0; d < D; d += W) {
+        vf x;
+        if (a.dtype == DType::kFloat32) x = V::load(static_cast<const float*>(a.q) + off + d);
+        else if (a.dtype == DType::kFloat16) x = V::load_f16(static_cast<const uint16_t*>(a.q) + off + d);
+        else x = V::load_bf16(static_cast<const uint16_t*>(a.q) + off + d);
+        V::store(dst + d, V::mul(x, V::set1(qscale)));
+      }
+    }
+
+  // Keys any row can see.
+  int64_t kmin = a.num_keys, kmax = 0;
+  for (int64_t i = 0; i < valid; ++i) {
+    int64_t lo, hi;
+    detail::visible_range(a, i, &lo, &hi);
+    kmin = std::min(kmin, lo);
+    kmax = std::max(kmax, hi);
+  }
+  kmin = std::max(kmin, key_begin);
+  kmax = std::min(kmax, std::min(key_end, a.num_keys));
+  if (kmin >= kmax) return;
+
+  const float lowest = detail::lowest_of(a.mask.dtype);
+  const size_t es = dtype_size(a.dtype);
+  const MaskView& mk = a.mask;
+
+  for (int64_t blk = 0; blk < a.num_blocks; ++blk) {
+    const KVBlock& kb = a.blocks[blk];
+    const int64_t b0 = std::max(kmin, kb.first_position);
+    const int64_t b1 = std::min(kmax, kb.first_position + kb.num_rows);
+    for (int64_t j0 = b0; j0 < b1; j0 += W) {
+      const int64_t n = std::min<int64_t>(W, b1 - j0);
+      const char* krows = static_cast<const char*>(kb.key) + static_cast<size_t>((j0 - kb.first_position) * D) * es;
+      const char* vrows = static_cast<const char*>(kb.value) + static_cast<size_t>((j0 - kb.first_position) * Dv) * es;
+      const float* kp;
+      const float* vp;
+      if (a.dtype == DType::kFloat32 && n == W) {
+        kp = reinterpret_cast<const float*>(krows);
+      } else {
+        load_tile<V>(a.dtype, krows, n, D, ktile);
+        kp = ktile;
+      }
+      if (a.dtype == DType::kFloat32) {
+        vp = reinterpret_cast<const float*>(vrows);  // only rows < n are read
+      } else {
+        load_tile<V>(a.dtype, vrows, n, Dv, vtile);
+        vp = vtile;
+      }
+
+      // ---- scores and online softmax, row by row ----
+      bool any = false;
+      for (int64_t i = 0; i < valid; ++i) {
+        int64_t lo, hi;
+        detail::visible_range(a, i, &lo, &hi);
+        const unsigned range = V::key_range(j0, std::max(lo, j0), std::min(hi, j0 + n));
+        for (int64_t h = 0; h < G; ++h) {
+          const int64_t r = h * S + i;
+          float* prow = ptile + r * W;
+          unsigned live = range;
+          vf bias = V::zero();
+          if (live && mk.kind != MaskKind::kNone) {
+            const int64_t mo = h * mk.head_stride + i * mk.row_stride + j0 * mk.key_stride;
+            if (mk.kind == MaskKind::kBool) {
+              if (mk.key_stride == 1) {
+                live &= V::bool_bits(static_cast<const uint8_t*>(mk.data) + mo, n);
+              } else {
+                const bool on = static_cast<const uint8_t*>(mk.data)[mo] != 0;
+                if (!on) live = 0;
+              }
+            } else {
+              alignas(64) float bb[W];
+              if (mk.key_stride == 1 && mk.dtype == DType::kFloat32 && n == W) {
+                std::memcpy(bb, static_cast<const float*>(mk.data) + mo, sizeof(bb));
+              } else {
+                for (int t = 0; t < W; ++t)
+                  bb[t] = t < n ? detail::load(mk.dtype, mk.data, mo + t * mk.key_stride) : 0.0f;
+              }
+              bias = V::load(bb);
+              live &= V::gt_bits(bias, lowest);
+            }
+          }
+          if (!live) {
+            corr[r] = 1.0f;
+            std::memset(prow, 0, sizeof(float) * W);
+            continue;
+          }
+          // W dot products.
+          vf acc[W];
+          for (int t = 0; t < W; ++t) acc[t] = V::zero();
+          const float* q = qf + r * D;
+          for (int64_t d = 0; d < D; d += W) {
+            const vf qv = V::load(q + d);
+#pragma GCC unroll 16
+            for (int t = 0; t < W; ++t) acc[t] = V::fma(qv, V::load(kp + t * D + d), acc[t]);
+          }
+          vf s = V::transpose_reduce(acc);
+          if (capped) {
+            const vf x = V::mul(s, V::set1(a.scale));
+            s = V::mul(V::set1(a.softcap), tanh_v<V>(V::mul(x, V::set1(1.0f / a.softcap))));
+          }
+          s = V::add(s, bias);
+          s = V::select(live, s, V::set1(-INFINITY));
+          const float tmax = V::reduce_max(s);
+          if (!(tmax > -INFINITY)) {
+            corr[r] = 1.0f;
+            std::memset(prow, 0, sizeof(float) * W);
+            continue;
+          }
+          const float m_old = st->m[r];
+          const float m_new = std::max(m_old, tmax);
+          const float c = std::exp(m_old - m_new);
+          vf p = V::exp(V::sub(s, V::set1(m_new)));
+          p = V::select(live, p, V::zero());
+          st->l[r] = st->l[r] * c + V::reduce_add(p);
+          st->m[r] = m_new;
+          corr[r] = c;
+          V::store(prow, p);
+          any = true;
+        }
+      }
+      if (!any) continue;
+
+      // ---- weighted V accumulation, rescale fused ----
+      constexpr int kChunk = 8;  // vectors of acc kept in registers
+      for (int64_t i = 0; i < valid; ++i)
+        for (int64_t h = 0; h < G; ++h) {
+          const int64_t r = h * S + i;
+          const float* prow = ptile + r * W;
+          float* out = st->acc + r * Dv;
+          const vf cv = V::set1(corr[r]);
+          for (int64_t d0 = 0; d0 < Dv; d0 += kChunk * W) {
+            const int nv = static_cast<int>(std::min<int64_t>(kChunk, (Dv - d0) / W));
+            vf o[kChunk];
+            for (int u = 0; u < nv; ++u) o[u] = V::mul(V::load(out + d0 + u * W), cv);
+            for (int64_t t = 0; t < n; ++t) {
+              const float pt = prow[t];
+              if (pt == 0.0f) continue;
+              const vf pv = V::set1(pt);
+              const float* vr = vp + t * Dv + d0;
+              for (int u = 0; u < nv; ++u) o[u] = V::fma(pv, V::load(vr + u * W), o[u]);
+            }
+            for (int u = 0; u < nv; ++u) V::store(out + d0 + u * W, o[u]);
+          }
+        }
+    }
+  }
+}
+
+}  // namespace simd
+}  // namespace kernels
+}  // namespace olep
