@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "kernels/attention.h"
+#include "kernels/stream_read.h"
 #include "kvcache/kv_cache.h"
 
 namespace py = pybind11;
@@ -182,6 +183,18 @@ PYBIND11_MODULE(_core, m) {
   m.def("export", &export_layer);
   m.def("import_past", &import_past);
   m.def("library_path", &library_path);
+  m.def(
+      "stream_read",
+      [](const py::array& arr) {
+        if (!(arr.flags() & py::array::c_style))
+          throw std::invalid_argument("stream_read: the array must be C-contiguous");
+        const void* p = arr.data();
+        const size_t bytes = static_cast<size_t>(arr.nbytes());
+        py::gil_scoped_release nogil;
+        return olep::kernels::stream_read(p, bytes);
+      },
+      "Reads every byte of a C-contiguous buffer once with the widest vector loads (the physical-limit probe of "
+      "the benchmarks); returns a checksum.");
   m.def("isa", [] { return std::string(olep::kernels::isa_name(olep::kernels::active_isa())); },
         "Attention kernel ISA level in use: 'scalar', 'avx2' or 'avx512'.");
   m.def("detected_isa", [] { return std::string(olep::kernels::isa_name(olep::kernels::detected_isa())); },
