@@ -46,6 +46,37 @@ inline void load_tile(DType t, const void* src, int64_t n, int64_t cols, float* 
   if (n < W) std::memset(dst + n * cols, 0, static_cast<size_t>((W - n) * cols) * sizeof(float));
 }
 
+// acc[0..NV*W) = acc * c + sum_{t<n} p[t] * v[t][0..NV*W); NV fixed so the
+// accumulators stay in registers.
+template <class V, int NV>
+inline void pv_chunk(float* acc, const float* v, const float* p, int64_t n, int64_t v_stride, float c) {
+  using vf = typename V::vf;
+  constexpr int W = V::W;
+  vf o[NV];
+  const vf cv = V::set1(c);
+#pragma GCC unroll 8
+  for (int u = 0; u < NV; ++u) o[u] = V::mul(V::load(acc + u * W), cv);
+  for (int64_t t = 0; t < n; ++t) {
+    const vf pv = V::set1(p[t]);
+    const float* vr = v + t * v_stride;
+#pragma GCC unroll 8
+    for (int u = 0; u < NV; ++u) o[u] = V::fma(pv, V::load(vr + u * W), o[u]);
+  }
+#pragma GCC unroll 8
+  for (int u = 0; u < NV; ++u) V::store(acc + u * W, o[u]);
+}
+
+// One output row: Dv (a multiple of W) in register-resident chunks of 8, 4, 2, 1 vectors.
+template <class V>
+inline void pv_row(float* acc, const float* v, const float* p, int64_t n, int64_t Dv, float c) {
+  constexpr int W = V::W;
+  int64_t d = 0;
+  for (; d + 8 * W <= Dv; d += 8 * W) pv_chunk<V, 8>(acc + d, v + d, p, n, Dv, c);
+  if (d + 4 * W <= Dv) { pv_chunk<V, 4>(acc + d, v + d, p, n, Dv, c); d += 4 * W; }
+  if (d + 2 * W <= Dv) { pv_chunk<V, 2>(acc + d, v + d, p, n, Dv, c); d += 2 * W; }
+  if (d + W <= Dv) pv_chunk<V, 1>(acc + d, v + d, p, n, Dv, c);
+}
+
 template <class V>
 void attend_range(const AttentionGroup& a, int64_t key_begin, int64_t key_end, AttentionState* st, float* scratch) {
   using vf = typename V::vf;
@@ -191,26 +222,10 @@ void attend_range(const AttentionGroup& a, int64_t key_begin, int64_t key_end, A
       if (!any) continue;
 
       // ---- weighted V accumulation, rescale fused ----
-      constexpr int kChunk = 8;  // vectors of acc kept in registers
       for (int64_t i = 0; i < valid; ++i)
         for (int64_t h = 0; h < G; ++h) {
           const int64_t r = h * S + i;
-          const float* prow = ptile + r * W;
-          float* out = st->acc + r * Dv;
-          const vf cv = V::set1(corr[r]);
-          for (int64_t d0 = 0; d0 < Dv; d0 += kChunk * W) {
-            const int nv = static_cast<int>(std::min<int64_t>(kChunk, (Dv - d0) / W));
-            vf o[kChunk];
-            for (int u = 0; u < nv; ++u) o[u] = V::mul(V::load(out + d0 + u * W), cv);
-            for (int64_t t = 0; t < n; ++t) {
-              const float pt = prow[t];
-              if (pt == 0.0f) continue;
-              const vf pv = V::set1(pt);
-              const float* vr = vp + t * Dv + d0;
-              for (int u = 0; u < nv; ++u) o[u] = V::fma(pv, V::load(vr + u * W), o[u]);
-            }
-            for (int u = 0; u < nv; ++u) V::store(out + d0 + u * W, o[u]);
-          }
+          pv_row<V>(st->acc + r * Dv, vp, ptile + r * W, n, Dv, corr[r]);
         }
     }
   }
