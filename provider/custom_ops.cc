@@ -161,7 +161,7 @@ struct CacheAttentionKernel {
         throw std::invalid_argument("CacheAttention: inputs 'query', 'key', 'value' and 'cache' are required");
       const bool has_mask = read_input(ctx, 4, &mask);
       const bool has_seqlens = read_input(ctx, 5, &seqlens);
-      const ops::AttentionDims d = ops::resolve_dims(attrs, q, k, v);
+      const ops::AttentionDims d = ops::resolve_dims("CacheAttention", attrs.q_num_heads, attrs.kv_num_heads, q, k, v);
       // Validate everything that can fail before allocating Y and touching the cache.
       void* y = alloc_output(ctx, 0, ops::output_shape(d));
       ops::cache_attention(attrs, q, k, v, cache, has_mask ? &mask : nullptr, has_seqlens ? &seqlens : nullptr, y,

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "ops/attention_core.h"
 #include "ops/tensor.h"
 
 namespace olep {
@@ -27,19 +28,6 @@ struct CacheAttentionAttrs {
 
 /// Throws std::invalid_argument ("CacheAttention: attribute '<name>' ...") for bad values.
 void validate(const CacheAttentionAttrs& a);
-
-/// Resolved dimensions of one call.
-struct AttentionDims {
-  int64_t rank = 4;  // 3 (BSNH packed [B, S, H*D]) or 4 (BNSH)
-  int64_t batch = 0, seq = 0, q_heads = 0, kv_heads = 0, head_dim = 0, v_head_dim = 0;
-};
-
-/// Validates query/key/value ranks, shapes and types against the attributes
-/// and returns the dims. Throws std::invalid_argument naming the input.
-AttentionDims resolve_dims(const CacheAttentionAttrs& a, const Tensor& query, const Tensor& key, const Tensor& value);
-
-/// Y's shape: [B, S, Hq*Dv] (rank 3) or [B, Hq, S, Dv] (rank 4).
-std::vector<int64_t> output_shape(const AttentionDims& d);
 
 /// Appends key/value to layer a.layer of the cache named by `cache` and writes
 /// Y (query's dtype, output_shape(d)) to `y`. mask and seqlens_k may be null.
