@@ -100,8 +100,9 @@ class KVCache:
             dtypes ``numpy.float32``, ``numpy.float16``, ``ml_dtypes.bfloat16``.
             Must equal the model's attention dtype ``T``.
         max_sequence_length: int > 0, capacity in tokens per sequence.
-        memory_limit_bytes: int >= 0, cap on committed K/V bytes of this cache;
-            ``None`` means no limit.
+        memory_limit_bytes: int >= 1, cap on committed K/V bytes of this cache;
+            ``None`` means no limit (0 is refused: it would be a cache that can
+            hold nothing).
 
     Errors:
         ``ValueError`` for a bad argument (the text names it and the expected
@@ -146,9 +147,14 @@ class KVCache:
         v_head_dim = head_dim if v_head_dim is None else _as_int(v_head_dim, where, "v_head_dim")
         dtype_name = _dtype_name(dtype, where, "dtype")
         max_sequence_length = _as_int(max_sequence_length, where, "max_sequence_length")
-        memory_limit_bytes = (
-            0 if memory_limit_bytes is None else _as_int(memory_limit_bytes, where, "memory_limit_bytes")
-        )
+        if memory_limit_bytes is None:
+            memory_limit_bytes = 0  # _core: 0 = no limit
+        else:
+            memory_limit_bytes = _as_int(memory_limit_bytes, where, "memory_limit_bytes")
+            if memory_limit_bytes < 1:
+                raise ValueError(
+                    f"{where}: memory_limit_bytes must be >= 1 or None (no limit), got {memory_limit_bytes}"
+                )
         h = _core.create(
             num_layers,
             batch_size,

@@ -14,6 +14,7 @@
 
 #include "kvcache/kv_cache.h"
 #include "provider/custom_ops.h"
+#include "provider/ep_attention.h"
 #include "provider/ort_api.h"
 
 namespace olep {
@@ -30,15 +31,25 @@ void log(const OrtLogger* logger, OrtLoggingLevel level, const std::string& msg)
 
 struct Ep : OrtEp {
   const OrtLogger* logger;
+  bool tensor_mode;  // claim standard Attention nodes of unconverted models
 
-  explicit Ep(const OrtLogger* lg) : OrtEp{}, logger(lg) {
+  Ep(const OrtLogger* lg, bool tensor) : OrtEp{}, logger(lg), tensor_mode(tensor) {
     ort_version_supported = ORT_API_VERSION;
     GetName = [](const OrtEp*) noexcept { return kEpName; };
     GetCapability = get_capability;
-    Compile = [](OrtEp*, const OrtGraph**, const OrtNode**, size_t, OrtNodeComputeInfo**, OrtNode**) noexcept -> OrtStatus* {
-      return make_status(ORT_NOT_IMPLEMENTED, "OnnxLightExecutionProvider fuses no nodes; Compile is not expected");
+    Compile = [](OrtEp*, const OrtGraph** graphs, const OrtNode** fused, size_t count, OrtNodeComputeInfo** infos,
+                 OrtNode** ep_context_nodes) noexcept -> OrtStatus* {
+      for (size_t i = 0; i < count; ++i) {
+        if (ep_context_nodes) ep_context_nodes[i] = nullptr;
+        infos[i] = nullptr;
+        if (OrtStatus* st = compile_standard_node(graphs[i], fused[i], &infos[i])) return st;
+      }
+      return nullptr;
     };
-    ReleaseNodeComputeInfos = [](OrtEp*, OrtNodeComputeInfo**, size_t) noexcept {};
+    ReleaseNodeComputeInfos = [](OrtEp*, OrtNodeComputeInfo** infos, size_t n) noexcept {
+      for (size_t i = 0; i < n; ++i)
+        if (infos[i]) release_compute_info(infos[i]);
+    };
     GetPreferredDataLayout = nullptr;
     ShouldConvertDataLayoutForOp = nullptr;
     SetDynamicOptions = nullptr;
@@ -58,24 +69,41 @@ struct Ep : OrtEp {
 
   static OrtStatus* ORT_API_CALL get_capability(OrtEp* self, const OrtGraph* graph, OrtEpGraphSupportInfo* info) noexcept {
     Ep* ep = static_cast<Ep*>(self);
-    size_t n = 0;
-    if (OrtStatus* st = api().Graph_GetNumNodes(graph, &n)) return st;
-    std::vector<const OrtNode*> nodes(n);
-    if (n)
-      if (OrtStatus* st = api().Graph_GetNodes(graph, nodes.data(), n)) return st;
-    for (const OrtNode* node : nodes) {
-      const char* domain = nullptr;
-      const char* op = nullptr;
-      if (OrtStatus* st = api().Node_GetDomain(node, &domain)) return st;
-      if (OrtStatus* st = api().Node_GetOperatorType(node, &op)) return st;
-      if (domain == nullptr || op == nullptr || std::strcmp(domain, kDomain) != 0) continue;
-      if (std::strcmp(op, "CacheAttention") != 0 && std::strcmp(op, "CacheExport") != 0) {
-        log(ep->logger, ORT_LOGGING_LEVEL_VERBOSE, std::string("OnnxLightExecutionProvider: not claiming ") + op);
-        continue;
+    try {
+      size_t n = 0;
+      if (OrtStatus* st = api().Graph_GetNumNodes(graph, &n)) return st;
+      std::vector<const OrtNode*> nodes(n);
+      if (n)
+        if (OrtStatus* st = api().Graph_GetNodes(graph, nodes.data(), n)) return st;
+      OrtNodeFusionOptions fusion{};
+      fusion.ort_version_supported = ORT_API_VERSION;
+      fusion.drop_constant_initializers = false;
+      for (const OrtNode* node : nodes) {
+        const char* domain = nullptr;
+        const char* op = nullptr;
+        if (OrtStatus* st = api().Node_GetDomain(node, &domain)) return st;
+        if (OrtStatus* st = api().Node_GetOperatorType(node, &op)) return st;
+        if (domain && op && std::strcmp(domain, kDomain) == 0) {
+          if (std::strcmp(op, "CacheAttention") == 0 || std::strcmp(op, "CacheExport") == 0) {
+            if (OrtStatus* st = ep_api().EpGraphSupportInfo_AddSingleNode(info, node)) return st;
+          } else {
+            log(ep->logger, ORT_LOGGING_LEVEL_VERBOSE, std::string("OnnxLightExecutionProvider: not claiming ") + op);
+          }
+          continue;
+        }
+        if (!ep->tensor_mode) continue;
+        std::string why;
+        if (supports_standard_node(node, &why)) {
+          const OrtNode* one[1] = {node};
+          if (OrtStatus* st = ep_api().EpGraphSupportInfo_AddNodesToFuse(info, one, 1, &fusion)) return st;
+        } else if (!why.empty()) {
+          log(ep->logger, ORT_LOGGING_LEVEL_VERBOSE, "OnnxLightExecutionProvider: leaving to ORT: " + why);
+        }
       }
-      if (OrtStatus* st = ep_api().EpGraphSupportInfo_AddSingleNode(info, node)) return st;
+      return nullptr;
+    } catch (const std::exception& e) {
+      return make_status(ORT_FAIL, std::string("OnnxLightExecutionProvider: GetCapability: ") + e.what());
     }
-    return nullptr;
   }
 };
 
@@ -129,14 +157,41 @@ struct Factory : OrtEpFactory {
   }
 
   static OrtStatus* ORT_API_CALL create_ep(OrtEpFactory*, const OrtHardwareDevice* const*,
-                                           const OrtKeyValuePairs* const*, size_t, const OrtSessionOptions*,
+                                           const OrtKeyValuePairs* const*, size_t, const OrtSessionOptions* so,
                                            const OrtLogger* logger, OrtEp** out) noexcept {
     try {
-      *out = new Ep(logger);
+      // Provider options arrive as session config entries "ep.<lowercased ep name>.<key>".
+      bool tensor_mode = true;
+      const std::string value = session_option(so, "ep.onnxlightexecutionprovider.tensor_mode");
+      if (!value.empty()) {
+        if (value != "0" && value != "1")
+          return make_status(ORT_INVALID_ARGUMENT, "OnnxLightExecutionProvider: option tensor_mode must be '0' or "
+                                                   "'1'; got '" + value + "'");
+        tensor_mode = value == "1";
+      }
+      *out = new Ep(logger, tensor_mode);
       return nullptr;
     } catch (const std::exception& e) {
       return make_status(ORT_FAIL, std::string("OnnxLightExecutionProvider: CreateEp failed: ") + e.what());
     }
+  }
+
+  static std::string session_option(const OrtSessionOptions* so, const char* key) {
+    int has = 0;
+    if (OrtStatus* st = api().HasSessionConfigEntry(so, key, &has)) {
+      api().ReleaseStatus(st);
+      return "";
+    }
+    if (!has) return "";
+    size_t size = 0;
+    if (OrtStatus* st = api().GetSessionConfigEntry(so, key, nullptr, &size)) api().ReleaseStatus(st);
+    std::string v(size, '\0');
+    if (OrtStatus* st = api().GetSessionConfigEntry(so, key, &v[0], &size)) {
+      api().ReleaseStatus(st);
+      return "";
+    }
+    if (!v.empty() && v.back() == '\0') v.pop_back();
+    return v;
   }
 };
 

@@ -174,18 +174,18 @@ void KVCache::reorder(const std::vector<int64_t>& indices) {
                                   str(B) + "), got " + str(indices[i]));
   const std::vector<int64_t> old_lens = lens_;
   const size_t es = dtype_size(g_.dtype);
-  // Memory: a target row block may grow to its source's length.
-  int64_t extra = 0;
-  for (int64_t l = 0; l < g_.num_layers; ++l)
-    for (int64_t i = 0; i < B; ++i) {
-      const int64_t hw = high_water_[static_cast<size_t>(l * B + i)];
-      const int64_t need = old_lens[static_cast<size_t>(indices[static_cast<size_t>(i)])];
-      if (need > hw) extra += committed_for_rows(need) - committed_for_rows(hw);
-    }
-  if (g_.memory_limit_bytes > 0 && stats_locked().committed_bytes + extra > g_.memory_limit_bytes)
-    throw std::runtime_error("KVCache.reorder: memory limit reached: needs " +
-                             str(stats_locked().committed_bytes + extra) + " committed bytes; memory_limit_bytes is " +
-                             str(g_.memory_limit_bytes));
+  // Memory: exactly what will be committed afterwards (a moved sequence's pages are released first).
+  if (g_.memory_limit_bytes > 0) {
+    int64_t after = 0;
+    for (int64_t l = 0; l < g_.num_layers; ++l)
+      for (int64_t i = 0; i < B; ++i) {
+        const int64_t s = indices[static_cast<size_t>(i)];
+        after += committed_for_rows(s == i ? high_water_[static_cast<size_t>(l * B + i)] : old_lens[static_cast<size_t>(s)]);
+      }
+    if (after > g_.memory_limit_bytes)
+      throw std::runtime_error("KVCache.reorder: memory limit reached: needs " + str(after) +
+                               " committed bytes; memory_limit_bytes is " + str(g_.memory_limit_bytes));
+  }
   discard_step_locked();
   // Snapshot each source sequence that is also overwritten, one layer at a time.
   std::vector<char> scratch;
@@ -356,6 +356,7 @@ std::vector<int64_t> KVCache::begin_layer_append(int64_t layer, int64_t sequence
                                  " committed bytes; memory_limit_bytes is " + str(g_.memory_limit_bytes) +
                                  " (cache unchanged)");
     }
+    if (step_.open && step_.owner != me) interrupted_ = step_.owner;
     discard_step_locked();
     step_.open = true;
     step_.owner = me;
@@ -363,9 +364,12 @@ std::vector<int64_t> KVCache::begin_layer_append(int64_t layer, int64_t sequence
     step_.sequence_length = sequence_length;
     step_.num_new = num_new;
   } else {
-    if (step_.open && step_.owner != me)
-      throw std::runtime_error("input 'cache' is being appended by another run (one cache serves one run at a "
-                               "time); layer " + str(layer) + " of this run cannot append");
+    if ((step_.open && step_.owner != me) || (!step_.open && interrupted_ == me)) {
+      interrupted_ = std::thread::id();
+      throw std::runtime_error("another run started appending to input 'cache' while this run was at layer " +
+                               str(layer) + "; this run's partial step was discarded (one cache serves one run at "
+                               "a time; concurrent runs on one cache are rejected, never interleaved)");
+    }
     if (!step_.open || step_.next_layer != layer)
       throw std::runtime_error("layers must append to input 'cache' in order 0..num_layers-1 within a run; expected "
                                "layer " + str(step_.open ? step_.next_layer : 0) + ", got layer " + str(layer) +

@@ -23,7 +23,9 @@
 //
 // Thread safety: every public method locks the cache's mutex. A step belongs
 // to the thread that started it (ORT runs a session's kernels on the thread
-// that called Run); a layer > 0 appended by another thread is rejected.
+// that called Run). Layer 0 of a new run always starts a new step (so a failed
+// run can never block the cache); if another thread's step was open, that run
+// is rejected at its next layer. Two concurrent runs are never interleaved.
 //
 // No ORT, no ONNX here.
 #pragma once
@@ -161,6 +163,7 @@ class KVCache {
   std::vector<int64_t> lens_;         // [batch] committed lengths
   std::vector<int64_t> high_water_;   // [layer * batch + b] rows ever written since release
   Step step_;
+  std::thread::id interrupted_;  // owner of the last step another thread's layer 0 discarded
   int64_t bytes_appended_ = 0;
   int64_t bytes_copied_ = 0;
   int64_t num_appends_ = 0;
