@@ -97,10 +97,19 @@ struct CacheExportKernel {
     try {
       Tensor cache;
       if (!read_input(ctx, 0, &cache)) throw std::invalid_argument("CacheExport: input 'cache' is required");
-      ops::cache_export(layer, cache, [&](const std::vector<int64_t>& ks, const std::vector<int64_t>& vs) {
-        void* kd = alloc_output(ctx, 0, ks);
-        void* vd = has_output(ctx, 1) ? alloc_output(ctx, 1, vs) : nullptr;
-        if (vd == nullptr) throw std::invalid_argument("CacheExport: outputs 'present_key' and 'present_value' are required");
+      if (!has_output(ctx, 1))
+        throw std::invalid_argument("CacheExport: outputs 'present_key' and 'present_value' are required");
+      ops::cache_export(layer, cache, [&](const std::vector<int64_t>& ks, const std::vector<int64_t>& vs, DType dt) {
+        const ops::ElemType want = dt == DType::kFloat32 ? ops::ElemType::kFloat32
+                                   : dt == DType::kFloat16 ? ops::ElemType::kFloat16 : ops::ElemType::kBFloat16;
+        ops::ElemType got_k, got_v;
+        void* kd = alloc_output(ctx, 0, ks, &got_k);
+        void* vd = alloc_output(ctx, 1, vs, &got_v);
+        if (got_k != want || got_v != want)
+          throw std::invalid_argument(std::string("CacheExport: outputs must have the cache's type ") +
+                                      ops::elem_type_name(want) + "; got present_key " + ops::elem_type_name(got_k) +
+                                      ", present_value " + ops::elem_type_name(got_v) +
+                                      " (set attribute 'dtype' to the cache's TensorProto type)");
         return std::make_pair(kd, vd);
       });
       return nullptr;
@@ -181,21 +190,36 @@ OrtStatus* infer_cache_attention(const OrtCustomOp*, OrtShapeInferContext* c) {
     ONNXTensorElementDataType qt, vt;
     std::vector<int64_t> qd, vd;
     std::vector<std::string> qs, vs;
-    if (!ic.input(0, &qt, &qd, &qs) || !ic.input(2, &vt, &vd, &vs)) return nullptr;
-    if (elem_type(qt) == ElemType::kOther || (qd.size() != 3 && qd.size() != 4) || vd.size() != qd.size())
-      return make_status(ORT_INVALID_ARGUMENT, "CacheAttention: 'query' must be float/float16/bfloat16 of rank 3 or 4 "
-                                               "and 'value' of the same rank");
-    std::vector<int64_t> od;
-    std::vector<std::string> os;
-    if (qd.size() == 4) {  // [B, Hq, S, Dv]
-      od = {qd[0], qd[1], qd[2], vd[3]};
-      os = {qs[0], qs[1], qs[2], vs[3]};
+    if (!ic.input(0, &qt, &qd, &qs)) return nullptr;
+    if (elem_type(qt) != ElemType::kFloat32 && elem_type(qt) != ElemType::kFloat16 && elem_type(qt) != ElemType::kBFloat16)
+      return make_status(ORT_INVALID_ARGUMENT, "CacheAttention: input 'query' must be float, float16 or bfloat16");
+    if (!ic.input(2, &vt, &vd, &vs)) vd.clear();
+    const int64_t hq = ic.attr_int("q_num_heads", 0), hkv = ic.attr_int("kv_num_heads", 0);
+    // Y always gets the query's type. Rank 0 here means "rank unknown" (query is never a scalar):
+    // then guess from the value's rank, else from the 3-D head attributes, with all dims unknown.
+    size_t rank = qd.size();
+    if (rank == 0) rank = vd.size() == 3 || vd.size() == 4 ? vd.size() : (hq > 0 ? 3 : 4);
+    if (rank != 3 && rank != 4)
+      return make_status(ORT_INVALID_ARGUMENT, "CacheAttention: input 'query' must have rank 3 or 4; got rank " +
+                                                   std::to_string(rank));
+    std::vector<int64_t> od(rank, -1);
+    std::vector<std::string> os(rank, "");
+    const bool q_known = qd.size() == rank, v_known = vd.size() == rank;
+    if (rank == 4) {  // [B, Hq, S, Dv]
+      for (size_t i = 0; i < 3 && q_known; ++i) {
+        od[i] = qd[i];
+        os[i] = qs[i];
+      }
+      if (v_known) {
+        od[3] = vd[3];
+        os[3] = vs[3];
+      }
     } else {  // [B, S, Hq*Dv]
-      const int64_t hq = ic.attr_int("q_num_heads", 0), hkv = ic.attr_int("kv_num_heads", 0);
-      int64_t last = -1;
-      if (hq > 0 && hkv > 0 && vd[2] > 0 && vd[2] % hkv == 0) last = hq * (vd[2] / hkv);
-      od = {qd[0], qd[1], last};
-      os = {qs[0], qs[1], ""};
+      for (size_t i = 0; i < 2 && q_known; ++i) {
+        od[i] = qd[i];
+        os[i] = qs[i];
+      }
+      if (v_known && hq > 0 && hkv > 0 && vd[2] > 0 && vd[2] % hkv == 0) od[2] = hq * (vd[2] / hkv);
     }
     ic.set_output(0, qt, od, os);
     return nullptr;

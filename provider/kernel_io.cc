@@ -55,9 +55,18 @@ bool read_input(OrtKernelContext* ctx, size_t index, Tensor* out) {
   return true;
 }
 
-void* alloc_output(OrtKernelContext* ctx, size_t index, const std::vector<int64_t>& shape) {
+void* alloc_output(OrtKernelContext* ctx, size_t index, const std::vector<int64_t>& shape, ElemType* type) {
   OrtValue* out = nullptr;
   check(api().KernelContext_GetOutput(ctx, index, shape.data(), shape.size(), &out));
+  if (type) {
+    OrtTensorTypeAndShapeInfo* info = nullptr;
+    check(api().GetTensorTypeAndShape(out, &info));
+    ONNXTensorElementDataType t = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+    OrtStatus* st = api().GetTensorElementType(info, &t);
+    api().ReleaseTensorTypeAndShapeInfo(info);
+    check(st);
+    *type = elem_type(t);
+  }
   void* data = nullptr;
   check(api().GetTensorMutableData(out, &data));
   return data;

@@ -19,8 +19,10 @@ ops::ElemType elem_type(ONNXTensorElementDataType t);
 void check(OrtStatus* st);
 /// Input `index` as a Tensor; false if the optional input is absent.
 bool read_input(OrtKernelContext* ctx, size_t index, ops::Tensor* out);
-/// Allocates output `index` with `shape` and returns its data pointer.
-void* alloc_output(OrtKernelContext* ctx, size_t index, const std::vector<int64_t>& shape);
+/// Allocates output `index` with `shape` and returns its data pointer (null for zero elements);
+/// `type`, if given, receives the output's element type as ORT allocated it.
+void* alloc_output(OrtKernelContext* ctx, size_t index, const std::vector<int64_t>& shape,
+                   ops::ElemType* type = nullptr);
 bool has_output(OrtKernelContext* ctx, size_t index);
 /// Runs tasks on the session's intra-op pool (KernelContext_ParallelFor); rethrows the first task exception.
 ops::ParallelFor ort_parallel_for(OrtKernelContext* ctx);

@@ -58,9 +58,10 @@ struct Avx2 {
     for (int64_t t = 0; t < n; ++t) bits |= (p[t] != 0 ? 1u : 0u) << t;
     return bits;
   }
-  static unsigned gt_bits(vf v, float x) {
-    return static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_set1_ps(x), _CMP_GT_OQ)));
+  static unsigned le_bits(vf v, float x) {
+    return static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_set1_ps(x), _CMP_LE_OQ)));
   }
+  static unsigned nan_bits(vf v) { return static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q))); }
   static vf select(unsigned bits, vf if_set, vf otherwise) {
     const __m256i lanes = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
     const __m256i m = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(static_cast<int>(bits)), lanes), lanes);

@@ -31,7 +31,11 @@ void init_state(const AttentionGroup& a, float* buffer, AttentionState* s) {
 void merge_states(const AttentionGroup& a, AttentionState* dst, const AttentionState& src) {
   const int64_t R = a.group_size * a.num_rows, Dv = a.v_head_dim;
   for (int64_t r = 0; r < R; ++r) {
-    if (!(src.l[r] > 0.0f)) continue;
+    if (std::isnan(src.l[r])) {
+      dst->l[r] = NAN;
+      continue;
+    }
+    if (!(src.l[r] > 0.0f) || std::isnan(dst->l[r])) continue;
     const float m = std::max(dst->m[r], src.m[r]);
     const float cd = std::exp(dst->m[r] - m), cs = std::exp(src.m[r] - m);
     dst->l[r] = dst->l[r] * cd + src.l[r] * cs;
@@ -49,7 +53,8 @@ void finalize(const AttentionGroup& a, const AttentionState& s) {
     for (int64_t i = 0; i < S; ++i) {
       const int64_t r = h * S + i;
       const int64_t off = h * a.out_head_stride + i * a.out_row_stride;
-      const float inv = (i < valid && s.l[r] > 0.0f) ? 1.0f / s.l[r] : 0.0f;
+      // NaN sum: a NaN reached this row (ONNX Attention propagates it); 0: no visible key -> zeros.
+      const float inv = i >= valid ? 0.0f : std::isnan(s.l[r]) ? NAN : (s.l[r] > 0.0f ? 1.0f / s.l[r] : 0.0f);
       const float* acc = s.acc + r * Dv;
       if (a.dtype == DType::kFloat32) {
         float* o = static_cast<float*>(a.out) + off;

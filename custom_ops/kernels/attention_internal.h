@@ -43,7 +43,7 @@ inline float mask_bias(const MaskView& m, int64_t h, int64_t i, int64_t j, float
   const int64_t o = h * m.head_stride + i * m.row_stride + j * m.key_stride;
   if (m.kind == MaskKind::kBool) return static_cast<const uint8_t*>(m.data)[o] ? 0.0f : -INFINITY;
   const float b = load(m.dtype, m.data, o);
-  return b <= lowest ? -INFINITY : b;
+  return b <= lowest ? -INFINITY : b;  // NaN stays NaN (and makes the row NaN)
 }
 
 /// Keys visible to query row i: [lo, hi), ignoring the mask tensor.

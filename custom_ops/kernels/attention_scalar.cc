@@ -49,7 +49,11 @@ void attend_range_scalar(const AttentionGroup& a, int64_t key_begin, int64_t key
           s *= a.scale;
           if (a.softcap > 0.0f) s = a.softcap * std::tanh(s / a.softcap);
           s += bias;
-          if (!(s > -INFINITY)) continue;  // -inf (or NaN) contributes nothing
+          if (s != s) {  // NaN in q, k or the mask: the row's result is NaN, as in ONNX Attention
+            st->l[r] = NAN;
+            continue;
+          }
+          if (!(s > -INFINITY)) continue;  // -inf contributes nothing
           float* o = st->acc + r * Dv;
           if (s > st->m[r]) {
             const float c = std::exp(st->m[r] - s);  // exp(-inf) = 0 on the first key

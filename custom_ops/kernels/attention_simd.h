@@ -177,7 +177,7 @@ void attend_range(const AttentionGroup& a, int64_t key_begin, int64_t key_end, A
                   bb[t] = t < n ? detail::load(mk.dtype, mk.data, mo + t * mk.key_stride) : 0.0f;
               }
               bias = V::load(bb);
-              live &= V::gt_bits(bias, lowest);
+              live &= ~V::le_bits(bias, lowest);  // NaN biases stay live and make the row NaN
             }
           }
           if (!live) {
@@ -200,6 +200,12 @@ void attend_range(const AttentionGroup& a, int64_t key_begin, int64_t key_end, A
             s = V::mul(V::set1(a.softcap), tanh_v<V>(V::mul(x, V::set1(1.0f / a.softcap))));
           }
           s = V::add(s, bias);
+          if (V::nan_bits(s) & live) {  // NaN in q, k or the mask: the row's result is NaN (ONNX Attention)
+            st->l[r] = NAN;
+            corr[r] = 1.0f;
+            std::memset(prow, 0, sizeof(float) * W);
+            continue;
+          }
           s = V::select(live, s, V::set1(-INFINITY));
           const float tmax = V::reduce_max(s);
           if (!(tmax > -INFINITY)) {

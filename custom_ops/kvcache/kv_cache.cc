@@ -110,9 +110,34 @@ void KVCache::discard_step_locked() {
   step_ = Step{};
 }
 
+void KVCache::discard_for_method_locked() {
+  if (step_.open) interrupted_ = step_.owner;
+  abandoned_at_ = -1;
+  abandoned_repeats_ = 0;
+  discard_step_locked();
+}
+
+void KVCache::note_abandoned_locked() {
+  if (!step_.open || step_.owner != std::this_thread::get_id() || step_.failed) return;
+  if (step_.next_layer == abandoned_at_) {
+    ++abandoned_repeats_;
+  } else {
+    abandoned_at_ = step_.next_layer;
+    abandoned_repeats_ = 1;
+  }
+}
+
 void KVCache::discard_step_of_current_thread() {
   std::lock_guard<std::mutex> lk(mu_);
-  if (step_.open && step_.owner == std::this_thread::get_id()) discard_step_locked();
+  if (step_.open && step_.owner == std::this_thread::get_id()) {
+    note_abandoned_locked();
+    discard_step_locked();
+  }
+}
+
+void KVCache::mark_step_failed() {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (step_.open && step_.owner == std::this_thread::get_id()) step_.failed = true;
 }
 
 std::vector<int64_t> KVCache::seq_lens() const {
@@ -140,7 +165,7 @@ CacheStats KVCache::stats() const {
 
 void KVCache::reset() {
   std::lock_guard<std::mutex> lk(mu_);
-  step_ = Step{};
+  discard_for_method_locked();
   std::fill(lens_.begin(), lens_.end(), 0);
   for (int64_t l = 0; l < g_.num_layers; ++l)
     for (int64_t b = 0; b < g_.batch_size; ++b) release_rows_from(l, b, 0);
@@ -155,7 +180,7 @@ void KVCache::truncate(const std::vector<int64_t>& lengths) {
     if (lengths[b] < 0 || lengths[b] > lens_[b])
       throw std::invalid_argument("KVCache.truncate: lengths[" + str(static_cast<int64_t>(b)) + "] must be in [0, " +
                                   str(lens_[b]) + "], got " + str(lengths[b]));
-  discard_step_locked();
+  discard_for_method_locked();
   for (int64_t b = 0; b < g_.batch_size; ++b) {
     lens_[static_cast<size_t>(b)] = lengths[static_cast<size_t>(b)];
     for (int64_t l = 0; l < g_.num_layers; ++l) release_rows_from(l, b, lens_[static_cast<size_t>(b)]);
@@ -186,7 +211,7 @@ void KVCache::reorder(const std::vector<int64_t>& indices) {
       throw std::runtime_error("KVCache.reorder: memory limit reached: needs " + str(after) +
                                " committed bytes; memory_limit_bytes is " + str(g_.memory_limit_bytes));
   }
-  discard_step_locked();
+  discard_for_method_locked();
   // Snapshot each source sequence that is also overwritten, one layer at a time.
   std::vector<char> scratch;
   for (int64_t l = 0; l < g_.num_layers; ++l) {
@@ -274,7 +299,7 @@ void KVCache::import_past(const std::vector<const void*>& keys, const std::vecto
   if (g_.memory_limit_bytes > 0 && need > g_.memory_limit_bytes)
     throw std::runtime_error("KVCache.import_past: memory limit reached: needs " + str(need) +
                              " committed bytes; memory_limit_bytes is " + str(g_.memory_limit_bytes));
-  step_ = Step{};
+  discard_for_method_locked();
   const size_t es = dtype_size(g_.dtype);
   for (int64_t l = 0; l < g_.num_layers; ++l)
     for (int64_t b = 0; b < g_.batch_size; ++b) {
@@ -357,6 +382,16 @@ std::vector<int64_t> KVCache::begin_layer_append(int64_t layer, int64_t sequence
                                  " (cache unchanged)");
     }
     if (step_.open && step_.owner != me) interrupted_ = step_.owner;
+    note_abandoned_locked();
+    if (abandoned_repeats_ >= 2) {
+      const int64_t k = abandoned_at_;
+      discard_step_locked();
+      throw std::runtime_error(
+          "the last runs on input 'cache' appended only layers 0.." + str(k - 1) + " of its num_layers=" +
+          str(g_.num_layers) + ": the model has fewer attention layers than the cache (create it with "
+          "KVCache.for_model, or num_layers=" + str(k) + "), or those runs failed after layer " + str(k - 1) +
+          ". Call reset() or truncate() on the cache to continue");
+    }
     discard_step_locked();
     step_.open = true;
     step_.owner = me;
@@ -366,9 +401,10 @@ std::vector<int64_t> KVCache::begin_layer_append(int64_t layer, int64_t sequence
   } else {
     if ((step_.open && step_.owner != me) || (!step_.open && interrupted_ == me)) {
       interrupted_ = std::thread::id();
-      throw std::runtime_error("another run started appending to input 'cache' while this run was at layer " +
-                               str(layer) + "; this run's partial step was discarded (one cache serves one run at "
-                               "a time; concurrent runs on one cache are rejected, never interleaved)");
+      throw std::runtime_error("input 'cache' was changed by another run or by a KVCache method (reset, truncate, "
+                               "reorder, from_past) while this run was at layer " + str(layer) +
+                               "; this run's partial step was discarded (one cache serves one run at a time; "
+                               "concurrent runs on one cache are rejected, never interleaved)");
     }
     if (!step_.open || step_.next_layer != layer)
       throw std::runtime_error("layers must append to input 'cache' in order 0..num_layers-1 within a run; expected "
@@ -418,6 +454,8 @@ void KVCache::finish_layer_append(int64_t layer) {
   bytes_appended_ += rows * g_.num_layers * row_bytes();
   ++num_appends_;
   step_ = Step{};
+  abandoned_at_ = -1;
+  abandoned_repeats_ = 0;
 }
 
 int64_t KVCache::blocks(int64_t layer, int64_t b, int64_t h, int64_t length, KVBlock* out, int64_t max_blocks) const {

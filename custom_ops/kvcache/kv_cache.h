@@ -130,6 +130,9 @@ class KVCache {
 
   /// Discards a partial step owned by the calling thread (used at the start of a run).
   void discard_step_of_current_thread();
+  /// Marks the calling thread's open step as failed (an op error), so its abandonment is not
+  /// mistaken for a model with fewer layers than the cache.
+  void mark_step_failed();
 
  private:
   struct Step {
@@ -138,6 +141,7 @@ class KVCache {
     int64_t next_layer = 0;      // layers 0..next_layer-1 appended
     int64_t sequence_length = 0;
     std::vector<int64_t> num_new;  // [batch]
+    bool failed = false;           // a CacheAttention of this step reported an error
   };
 
   size_t block_index(int64_t layer, int64_t b, int64_t h) const {
@@ -149,6 +153,8 @@ class KVCache {
   int64_t row_bytes() const;                        // K+V bytes of one position over all heads
   void release_rows_from(int64_t layer, int64_t b, int64_t first_row);  // madvise pages past first_row
   void discard_step_locked();
+  void discard_for_method_locked();   // a mutating method: remember whose run it interrupted
+  void note_abandoned_locked();       // this thread's step is left unfinished by a new run
   std::vector<int64_t> layer_lengths_locked(int64_t layer, bool include_pending) const;
   CacheStats stats_locked() const;
 
@@ -163,7 +169,9 @@ class KVCache {
   std::vector<int64_t> lens_;         // [batch] committed lengths
   std::vector<int64_t> high_water_;   // [layer * batch + b] rows ever written since release
   Step step_;
-  std::thread::id interrupted_;  // owner of the last step another thread's layer 0 discarded
+  std::thread::id interrupted_;  // owner of the last step discarded by another run or a method
+  int64_t abandoned_at_ = -1;     // layer count of the last unfinished (not failed) step of a run
+  int abandoned_repeats_ = 0;     // consecutive runs that stopped at abandoned_at_
   int64_t bytes_appended_ = 0;
   int64_t bytes_copied_ = 0;
   int64_t num_appends_ = 0;

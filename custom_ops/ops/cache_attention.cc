@@ -34,13 +34,31 @@ void validate(const CacheAttentionAttrs& a) {
     fail("attribute 'local_window_size' must be -1 (none) or >= 1; got " + str(a.local_window_size));
 }
 
+namespace {
+void cache_attention_impl(const CacheAttentionAttrs& a, const Tensor& query, const Tensor& key, const Tensor& value,
+                          const std::shared_ptr<KVCache>& cache, const Tensor* mask, const Tensor* seqlens_k, void* y,
+                          const ParallelFor& parallel_for);
+}  // namespace
+
 void cache_attention(const CacheAttentionAttrs& a, const Tensor& query, const Tensor& key, const Tensor& value,
                      const Tensor& cache_t, const Tensor* mask, const Tensor* seqlens_k, void* y,
                      const ParallelFor& parallel_for) {
-  validate(a);
-  const AttentionDims d = resolve_dims("CacheAttention", a.q_num_heads, a.kv_num_heads, query, key, value);
   const int64_t handle = read_cache_handle(cache_t, "CacheAttention");
   std::shared_ptr<KVCache> cache = Registry::instance().get(handle, "CacheAttention: input 'cache'");
+  try {
+    cache_attention_impl(a, query, key, value, cache, mask, seqlens_k, y, parallel_for);
+  } catch (...) {
+    cache->mark_step_failed();  // this run's unfinished step is a failure, not a short model
+    throw;
+  }
+}
+
+namespace {
+void cache_attention_impl(const CacheAttentionAttrs& a, const Tensor& query, const Tensor& key, const Tensor& value,
+                          const std::shared_ptr<KVCache>& cache, const Tensor* mask, const Tensor* seqlens_k, void* y,
+                          const ParallelFor& parallel_for) {
+  validate(a);
+  const AttentionDims d = resolve_dims("CacheAttention", a.q_num_heads, a.kv_num_heads, query, key, value);
   const CacheGeometry& g = cache->geometry();
   const DType dt = to_dtype(query.type);
   if (g.dtype != dt)
@@ -122,6 +140,7 @@ void cache_attention(const CacheAttentionAttrs& a, const Tensor& query, const Te
   run_attention(call, parallel_for);
   cache->finish_layer_append(a.layer);
 }
+}  // namespace
 
 void cache_export(int64_t layer, const Tensor& cache_t, const ExportOutputs& alloc) {
   if (layer < 0) throw std::invalid_argument("CacheExport: attribute 'layer' is required and must be >= 0");
@@ -135,7 +154,7 @@ void cache_export(int64_t layer, const Tensor& cache_t, const ExportOutputs& all
   cache->export_layer(layer, /*include_pending=*/true, [&](int64_t L) {
     const std::vector<int64_t> ks = {g.batch_size, g.kv_num_heads, L, g.head_dim};
     const std::vector<int64_t> vs = {g.batch_size, g.kv_num_heads, L, g.v_head_dim};
-    std::pair<void*, void*> out = alloc(ks, vs);
+    std::pair<void*, void*> out = alloc(ks, vs, g.dtype);
     const size_t kn = static_cast<size_t>(g.batch_size * g.kv_num_heads * L);
     if (kn) {
       std::memset(out.first, 0, kn * static_cast<size_t>(g.head_dim) * es);

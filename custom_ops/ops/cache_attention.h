@@ -39,9 +39,11 @@ void cache_attention(const CacheAttentionAttrs& a, const Tensor& query, const Te
 
 /// CacheExport: layer `layer` as BNSH present_key [B, Hkv, L, D], present_value
 /// [B, Hkv, L, Dv], including this thread's pending rows of that layer.
-/// `alloc(key_shape, value_shape)` returns the two output buffers; this zero-fills them.
+/// `alloc(key_shape, value_shape, dtype)` returns the two output buffers, which must hold
+/// elements of `dtype` (the cache's; the caller checks its outputs' type and throws
+/// std::invalid_argument otherwise); this zero-fills them. Zero-size buffers may be null.
 using ExportOutputs = std::function<std::pair<void*, void*>(const std::vector<int64_t>& key_shape,
-                                                            const std::vector<int64_t>& value_shape)>;
+                                                            const std::vector<int64_t>& value_shape, DType dtype)>;
 void cache_export(int64_t layer, const Tensor& cache, const ExportOutputs& alloc);
 
 }  // namespace ops

@@ -183,6 +183,25 @@ void split_matches_single_pass() {
   for (size_t i = 0; i < o1.size(); ++i) CHECK_NEAR(o1[i], o2[i], 1e-6);
 }
 
+// NaN in a visible key makes the row NaN (as ONNX Attention); NaN beyond the visible range is never read.
+void nan_propagates() {
+  const int64_t D = 16, T = 40;
+  std::vector<float> q(D, 0.1f), k(static_cast<size_t>(T * D), 0.2f), v(k.size(), 0.3f), out(D);
+  k[static_cast<size_t>(5 * D + 3)] = NAN;  // key 5 visible to the query at position 30
+  for (int64_t d = 0; d < D; ++d) k[static_cast<size_t>(35 * D + d)] = NAN;  // key 35: in the future (causal)
+  KVBlock b{k.data(), v.data(), 0, T};
+  AttentionGroup a;
+  a.q = q.data(); a.q_head_stride = D; a.q_row_stride = D; a.out = out.data(); a.out_head_stride = D;
+  a.out_row_stride = D; a.num_rows = 1; a.num_valid_rows = 1; a.q_offset = 30; a.num_keys = T;
+  a.blocks = &b; a.num_blocks = 1; a.head_dim = D; a.v_head_dim = D; a.scale = 0.25f; a.is_causal = true;
+  std::vector<float> buf(static_cast<size_t>(attend_group_floats(a)));
+  attend_group(a, buf.data());
+  for (float x : out) CHECK(std::isnan(x));
+  k[static_cast<size_t>(5 * D + 3)] = 0.2f;
+  attend_group(a, buf.data());
+  for (float x : out) CHECK_NEAR(x, 0.3f, 1e-6);  // the future NaN key is not read
+}
+
 }  // namespace
 
 void run_all() {
@@ -249,6 +268,7 @@ void run_all() {
   odd.G = 2; odd.S = 2; odd.P = 5; odd.D = 12; odd.Dv = 12;
   run_case(odd, 21, 1e-5);
   split_matches_single_pass();
+  nan_propagates();
 }
 
 int main() {

@@ -289,6 +289,49 @@ void test_thread_ownership() {
   }
 }
 
+
+// A model with fewer attention layers than the cache never completes a step: after two
+// runs that stop at the same layer, layer 0 says so instead of silently never committing.
+// A run that failed in the op (mark_step_failed) is not counted.
+void test_short_model_is_reported() {
+  KVCache c(geom(3, 1, 1, 4, 16));
+  auto layer0_and_1 = [&](bool fail_after) {
+    for (int64_t l = 0; l < 2; ++l) {
+      auto lk = c.lock();
+      c.begin_layer_append(l, 1, {1});
+      c.finish_layer_append(l);
+    }
+    if (fail_after) c.mark_step_failed();
+  };
+  layer0_and_1(true);   // failed runs are not evidence of a short model
+  layer0_and_1(true);
+  layer0_and_1(false);  // first abandonment at 2 layers
+  layer0_and_1(false);  // layer 0 of this run found run 3's unfinished step: count 1 -> ok
+  {
+    auto lk = c.lock();
+    EXPECT_THROW(c.begin_layer_append(0, 1, {1}), std::runtime_error, "fewer attention layers than the cache");
+  }
+  CHECK((c.seq_lens() == std::vector<int64_t>{0}));
+  c.reset();  // clears the diagnosis
+  step(c, 1);
+  CHECK((c.seq_lens() == std::vector<int64_t>{1}));
+}
+
+// A mutating method during a run: the run's next layer names the real cause.
+void test_method_during_run_message() {
+  KVCache c(geom());
+  step(c, 2);
+  {
+    auto lk = c.lock();
+    c.begin_layer_append(0, 1, {1, 1});
+    c.finish_layer_append(0);
+  }
+  std::thread t([&] { c.truncate({1, 1}); });
+  t.join();
+  auto lk = c.lock();
+  EXPECT_THROW(c.begin_layer_append(1, 1, {1, 1}), std::runtime_error, "KVCache method");
+}
+
 }  // namespace
 
 int main() {
@@ -298,5 +341,7 @@ int main() {
   test_truncate_reorder_fork_import();
   test_registry();
   test_thread_ownership();
+  test_short_model_is_reported();
+  test_method_during_run_message();
   TEST_MAIN_END();
 }

@@ -145,7 +145,7 @@ void test_3d_equals_4d_and_export() {
   }
   std::vector<float> k4, v4, k3, v3;
   auto grab = [](std::vector<float>& kk, std::vector<float>& vv) {
-    return [&](const std::vector<int64_t>& ks, const std::vector<int64_t>& vs) {
+    return [&](const std::vector<int64_t>& ks, const std::vector<int64_t>& vs, DType) {
       kk.assign(static_cast<size_t>(ks[0] * ks[1] * ks[2] * ks[3]), 1.0f);
       vv.assign(static_cast<size_t>(vs[0] * vs[1] * vs[2] * vs[3]), 1.0f);
       return std::make_pair<void*, void*>(kk.data(), vv.data());
@@ -191,7 +191,7 @@ void test_seqlens_k_right_padding() {
   CHECK((c->seq_lens() == std::vector<int64_t>{5, 3}));
   // The decode token of sequence 1 sits at slot 2 (not 4).
   std::vector<float> ke, ve;
-  cache_export(0, i64(&h, {1}), [&](const std::vector<int64_t>& ks, const std::vector<int64_t>& vs) {
+  cache_export(0, i64(&h, {1}), [&](const std::vector<int64_t>& ks, const std::vector<int64_t>& vs, DType) {
     ke.assign(static_cast<size_t>(ks[0] * ks[1] * ks[2] * ks[3]), 0.0f);
     ve.assign(static_cast<size_t>(vs[0] * vs[1] * vs[2] * vs[3]), 0.0f);
     return std::make_pair<void*, void*>(ke.data(), ve.data());
