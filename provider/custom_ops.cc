@@ -71,8 +71,8 @@ struct CacheAttentionKernel {
   std::string node;
 
   OrtStatus* compute(OrtKernelContext* ctx) {
+    Tensor q, k, v, cache, mask, seqlens;
     try {
-      Tensor q, k, v, cache, mask, seqlens;
       if (!read_input(ctx, 0, &q) || !read_input(ctx, 1, &k) || !read_input(ctx, 2, &v) || !read_input(ctx, 3, &cache))
         throw std::invalid_argument("CacheAttention: inputs 'query', 'key', 'value' and 'cache' are required");
       const bool has_mask = read_input(ctx, 4, &mask);
@@ -84,6 +84,7 @@ struct CacheAttentionKernel {
                            ort_parallel_for(ctx));
       return nullptr;
     } catch (const std::exception& e) {
+      if (cache.data) ops::note_failed_run(cache);
       return to_status(e, node);
     }
   }

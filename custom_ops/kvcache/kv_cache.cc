@@ -385,12 +385,14 @@ std::vector<int64_t> KVCache::begin_layer_append(int64_t layer, int64_t sequence
     note_abandoned_locked();
     if (abandoned_repeats_ >= 2) {
       const int64_t k = abandoned_at_;
+      abandoned_at_ = -1;  // report once per two such runs; a later good run proceeds
+      abandoned_repeats_ = 0;
       discard_step_locked();
       throw std::runtime_error(
           "the last runs on input 'cache' appended only layers 0.." + str(k - 1) + " of its num_layers=" +
           str(g_.num_layers) + ": the model has fewer attention layers than the cache (create it with "
           "KVCache.for_model, or num_layers=" + str(k) + "), or those runs failed after layer " + str(k - 1) +
-          ". Call reset() or truncate() on the cache to continue");
+          " (this step was not appended)");
     }
     discard_step_locked();
     step_.open = true;

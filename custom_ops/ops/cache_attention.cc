@@ -53,6 +53,13 @@ void cache_attention(const CacheAttentionAttrs& a, const Tensor& query, const Te
   }
 }
 
+void note_failed_run(const Tensor& cache_t) noexcept {
+  try {
+    Registry::instance().get(read_cache_handle(cache_t, "CacheAttention"), "CacheAttention")->mark_step_failed();
+  } catch (...) {
+  }
+}
+
 namespace {
 void cache_attention_impl(const CacheAttentionAttrs& a, const Tensor& query, const Tensor& key, const Tensor& value,
                           const std::shared_ptr<KVCache>& cache, const Tensor* mask, const Tensor* seqlens_k, void* y,

@@ -37,6 +37,11 @@ void cache_attention(const CacheAttentionAttrs& a, const Tensor& query, const Te
                      const Tensor& cache, const Tensor* attn_mask, const Tensor* seqlens_k, void* y,
                      const ParallelFor& parallel_for);
 
+/// Best effort, never throws: marks the calling thread's open step on the cache named by
+/// `cache` as failed, for errors raised outside cache_attention (e.g. while preparing
+/// outputs), so the short-model diagnosis does not count that run.
+void note_failed_run(const Tensor& cache) noexcept;
+
 /// CacheExport: layer `layer` as BNSH present_key [B, Hkv, L, D], present_value
 /// [B, Hkv, L, Dv], including this thread's pending rows of that layer.
 /// `alloc(key_shape, value_shape, dtype)` returns the two output buffers, which must hold
