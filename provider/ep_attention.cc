@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "ops/attention_tensor.h"
+#include "ops/gqa_tensor.h"
 #include "provider/kernel_io.h"
 
 namespace olep {
@@ -49,6 +50,43 @@ bool node_attr_float(const OrtNode* n, const char* name, float* v) {
   return true;
 }
 
+bool node_attr_string(const OrtNode* n, const char* name, std::string* v) {
+  const OrtOpAttr* a = nullptr;
+  OrtStatus* st = api().Node_GetAttributeByName(n, name, &a);
+  if (st || a == nullptr) {
+    release(st);
+    return false;
+  }
+  size_t size = 0;
+  st = api().ReadOpAttr(a, ORT_OP_ATTR_STRING, nullptr, 0, &size);
+  release(st);  // fails with the size needed
+  std::string buf(size, '\0');
+  st = api().ReadOpAttr(a, ORT_OP_ATTR_STRING, size ? &buf[0] : nullptr, size, &size);
+  if (st) {
+    release(st);
+    return false;
+  }
+  buf.resize(size);
+  while (!buf.empty() && buf.back() == '\0') buf.pop_back();
+  *v = buf;
+  return true;
+}
+
+// Names of the attributes a node carries.
+std::vector<std::string> attribute_names(const OrtNode* n) {
+  size_t count = 0;
+  check(api().Node_GetNumAttributes(n, &count));
+  std::vector<const OrtOpAttr*> attrs(count, nullptr);
+  if (count) check(api().Node_GetAttributes(n, attrs.data(), count));
+  std::vector<std::string> names;
+  for (const OrtOpAttr* a : attrs) {
+    const char* name = nullptr;
+    if (a) check(api().OpAttr_GetName(a, &name));
+    if (name) names.push_back(name);
+  }
+  return names;
+}
+
 // Names of a node's inputs or outputs ("" for an omitted optional one).
 std::vector<std::string> value_names(const OrtNode* n, bool inputs) {
   size_t count = 0;
@@ -81,33 +119,67 @@ ONNXTensorElementDataType input_type(const OrtNode* n, size_t index) {
   return t;
 }
 
-constexpr int kInputs = 7;   // Q, K, V, attn_mask, past_key, past_value, nonpad_kv_seqlen
-constexpr int kOutputs = 3;  // Y, present_key, present_value
+// Fused-node index of each of the node's `names` ("" = omitted), -1 when absent.
+// ORT deduplicates and reorders a fused node's inputs: map them by name.
+template <size_t N>
+void map_by_name(const std::vector<std::string>& names, const std::vector<std::string>& fused, int (&out)[N]) {
+  for (size_t i = 0; i < N; ++i) {
+    out[i] = -1;
+    if (i >= names.size() || names[i].empty()) continue;
+    for (size_t j = 0; j < fused.size(); ++j)
+      if (fused[j] == names[i]) {
+        out[i] = static_cast<int>(j);
+        break;
+      }
+  }
+}
 
-struct AttentionComputeInfo : OrtNodeComputeInfo {
-  ops::OnnxAttentionAttrs attrs;
-  int in_index[kInputs];    // fused-node input index of each ONNX input, -1 = absent
-  int out_index[kOutputs];  // fused-node output index, -1 = not requested
+// Common part of the compute infos: ORT sees the OrtNodeComputeInfo base only.
+struct NodeComputeInfo : OrtNodeComputeInfo {
+  void (*destroy)(NodeComputeInfo*) = nullptr;
   std::string node;
 
-  AttentionComputeInfo() : OrtNodeComputeInfo{} {
-    ort_version_supported = ORT_API_VERSION;
-    CreateState = [](OrtNodeComputeInfo* self, OrtNodeComputeContext*, void** state) noexcept -> OrtStatus* {
-      *state = self;
+  template <typename Self>
+  static NodeComputeInfo* init(Self* self) {
+    self->ort_version_supported = ORT_API_VERSION;
+    self->CreateState = [](OrtNodeComputeInfo* info, OrtNodeComputeContext*, void** state) noexcept -> OrtStatus* {
+      *state = info;
       return nullptr;
     };
-    Compute = [](OrtNodeComputeInfo* self, void*, OrtKernelContext* ctx) noexcept -> OrtStatus* {
-      return static_cast<AttentionComputeInfo*>(self)->run(ctx);
+    self->Compute = [](OrtNodeComputeInfo* info, void*, OrtKernelContext* ctx) noexcept -> OrtStatus* {
+      return static_cast<Self*>(static_cast<NodeComputeInfo*>(info))->run(ctx);
     };
-    ReleaseState = [](OrtNodeComputeInfo*, void*) noexcept {};
+    self->ReleaseState = [](OrtNodeComputeInfo*, void*) noexcept {};
+    self->destroy = [](NodeComputeInfo* info) { delete static_cast<Self*>(info); };
+    return self;
   }
+  NodeComputeInfo() : OrtNodeComputeInfo{} {}
+};
+
+// Reads the mapped inputs; p[i] is null for an absent one.
+template <size_t N>
+void read_inputs(OrtKernelContext* ctx, const int (&index)[N], ops::Tensor (&t)[N], const ops::Tensor* (&p)[N]) {
+  for (size_t i = 0; i < N; ++i) {
+    p[i] = nullptr;
+    if (index[i] >= 0 && read_input(ctx, static_cast<size_t>(index[i]), &t[i])) p[i] = &t[i];
+  }
+}
+
+// ---- ONNX Attention (opset 23/24) ---------------------------------------------
+
+constexpr size_t kAttnInputs = 7;   // Q, K, V, attn_mask, past_key, past_value, nonpad_kv_seqlen
+constexpr size_t kAttnOutputs = 3;  // Y, present_key, present_value
+
+struct AttentionComputeInfo : NodeComputeInfo {
+  ops::OnnxAttentionAttrs attrs;
+  int in_index[kAttnInputs];    // fused-node input index of each ONNX input, -1 = absent
+  int out_index[kAttnOutputs];  // fused-node output index, -1 = not requested
 
   OrtStatus* run(OrtKernelContext* ctx) noexcept {
     try {
-      ops::Tensor t[kInputs];
-      const ops::Tensor* p[kInputs] = {};
-      for (int i = 0; i < kInputs; ++i)
-        if (in_index[i] >= 0 && read_input(ctx, static_cast<size_t>(in_index[i]), &t[i])) p[i] = &t[i];
+      ops::Tensor t[kAttnInputs];
+      const ops::Tensor* p[kAttnInputs];
+      read_inputs(ctx, in_index, t, p);
       ops::OnnxAttentionInputs in;
       in.q = p[0];
       in.k = p[1];
@@ -128,15 +200,7 @@ struct AttentionComputeInfo : OrtNodeComputeInfo {
   }
 };
 
-}  // namespace
-
-bool supports_standard_node(const OrtNode* node, std::string* why) {
-  why->clear();
-  const char* domain = nullptr;
-  const char* op = nullptr;
-  check(api().Node_GetDomain(node, &domain));
-  check(api().Node_GetOperatorType(node, &op));
-  if (!domain || !op || domain[0] != '\0' || std::strcmp(op, "Attention") != 0) return false;
+bool supports_onnx_attention(const OrtNode* node, std::string* why) {
   int since = 0;
   check(api().Node_GetSinceVersion(node, &since));
   if (since != 23 && since != 24) {
@@ -161,6 +225,166 @@ bool supports_standard_node(const OrtNode* node, std::string* why) {
   return true;
 }
 
+NodeComputeInfo* compile_onnx_attention(const OrtNode* node, const OrtNode* fused_node) {
+  auto info = std::make_unique<AttentionComputeInfo>();
+  node_attr_int(node, "is_causal", &info->attrs.is_causal);
+  node_attr_int(node, "q_num_heads", &info->attrs.q_num_heads);
+  node_attr_int(node, "kv_num_heads", &info->attrs.kv_num_heads);
+  node_attr_float(node, "scale", &info->attrs.scale);
+  node_attr_float(node, "softcap", &info->attrs.softcap);
+  map_by_name(value_names(node, true), value_names(fused_node, true), info->in_index);
+  map_by_name(value_names(node, false), value_names(fused_node, false), info->out_index);
+  if (info->out_index[0] < 0) throw std::runtime_error("Attention output Y not found");
+  return NodeComputeInfo::init(info.release());
+}
+
+// ---- com.microsoft GroupQueryAttention ---------------------------------------------
+
+// query, key, value, past_key, past_value, seqlens_k, total_sequence_length, cos_cache, sin_cache
+constexpr size_t kGqaInputs = 9;
+constexpr size_t kGqaOutputs = 3;  // output, present_key, present_value
+const char* const kGqaExtraInputs[] = {"position_ids", "attention_bias", "head_sink", "k_scale",
+                                       "v_scale", "q_norm_weight", "k_norm_weight", "query_seqlens"};
+
+struct GqaComputeInfo : NodeComputeInfo {
+  ops::GqaAttrs attrs;
+  int in_index[kGqaInputs];
+  int out_index[kGqaOutputs];
+
+  OrtStatus* run(OrtKernelContext* ctx) noexcept {
+    try {
+      ops::Tensor t[kGqaInputs];
+      const ops::Tensor* p[kGqaInputs];
+      read_inputs(ctx, in_index, t, p);
+      ops::GqaInputs in;
+      in.query = p[0];
+      in.key = p[1];
+      in.value = p[2];
+      in.past_key = p[3];
+      in.past_value = p[4];
+      in.seqlens_k = p[5];
+      in.total_sequence_length = p[6];
+      in.cos_cache = p[7];
+      in.sin_cache = p[8];
+      const ops::GqaShapes s = ops::gqa_shapes(attrs, in);
+      void* y = alloc_output(ctx, static_cast<size_t>(out_index[0]), s.output);
+      // With an IOBinding of one OrtValue to past_key and present_key, ORT hands that
+      // buffer back here: gqa_attention then updates it in place (ORT's shared-buffer mode).
+      void* pk = out_index[1] >= 0 ? alloc_output(ctx, static_cast<size_t>(out_index[1]), s.present) : nullptr;
+      void* pv = out_index[2] >= 0 ? alloc_output(ctx, static_cast<size_t>(out_index[2]), s.present) : nullptr;
+      ops::gqa_attention(attrs, in, s, y, pk, pv, ort_parallel_for(ctx));
+      return nullptr;
+    } catch (const std::exception& e) {
+      return to_status(e, node);
+    }
+  }
+};
+
+bool supports_gqa(const OrtNode* node, std::string* why) {
+  auto refuse = [why](const std::string& m) {
+    *why = "GroupQueryAttention: " + m;
+    return false;
+  };
+  int since = 0;
+  check(api().Node_GetSinceVersion(node, &since));
+  if (since != 1) return refuse("since_version " + std::to_string(since) + " (supported: 1)");
+  // Attributes: an allow-list, so that anything a newer ORT adds is left to ORT.
+  static const char* const known[] = {"num_heads", "kv_num_heads", "scale", "softcap", "local_window_size",
+                                      "do_rotary", "rotary_interleaved", "smooth_softmax", "qk_output", "causal",
+                                      "kv_cache_bit_width", "k_quant_type", "v_quant_type", "sliding_window_cache",
+                                      "qk_norm_epsilon", "q_norm_epsilon", "k_norm_epsilon"};
+  for (const std::string& name : attribute_names(node)) {
+    bool ok = false;
+    for (const char* k : known) ok = ok || name == k;
+    if (!ok) return refuse("unknown attribute '" + name + "'");
+  }
+  int64_t v = 0;
+  auto attr_is = [&](const char* name, int64_t dflt, std::initializer_list<int64_t> allowed) {
+    v = dflt;
+    node_attr_int(node, name, &v);
+    for (int64_t x : allowed)
+      if (v == x) return true;
+    return false;
+  };
+  if (!attr_is("smooth_softmax", 0, {0, -1})) return refuse("smooth_softmax=" + std::to_string(v) + " (supported: 0, -1 = off)");
+  if (!attr_is("qk_output", 0, {0})) return refuse("qk_output=" + std::to_string(v) + " (supported: 0)");
+  if (!attr_is("causal", 1, {1})) return refuse("causal=" + std::to_string(v) + " (supported: 1)");
+  if (!attr_is("kv_cache_bit_width", 0, {0})) return refuse("kv_cache_bit_width=" + std::to_string(v) + " (quantized cache)");
+  if (!attr_is("sliding_window_cache", 0, {0})) return refuse("sliding_window_cache=" + std::to_string(v) + " (supported: 0)");
+  if (!attr_is("do_rotary", 0, {0, 1})) return refuse("do_rotary=" + std::to_string(v));
+  if (!attr_is("rotary_interleaved", 0, {0, 1})) return refuse("rotary_interleaved=" + std::to_string(v));
+  int64_t heads = 0, kv_heads = 0, window = -1;
+  node_attr_int(node, "num_heads", &heads);
+  node_attr_int(node, "kv_num_heads", &kv_heads);
+  node_attr_int(node, "local_window_size", &window);
+  if (heads <= 0 || kv_heads <= 0 || heads % kv_heads != 0)
+    return refuse("num_heads=" + std::to_string(heads) + ", kv_num_heads=" + std::to_string(kv_heads));
+  if (window != -1 && window <= 0) return refuse("local_window_size=" + std::to_string(window) + " (supported: -1, > 0)");
+  float scale = 0.0f;
+  if (node_attr_float(node, "scale", &scale) && scale < 0.0f) return refuse("negative scale");
+  for (const char* name : {"k_quant_type", "v_quant_type"}) {
+    std::string q;
+    if (node_attr_string(node, name, &q) && !q.empty() && q != "NONE")
+      return refuse(std::string(name) + "=" + q + " (quantized cache)");
+  }
+  const std::vector<std::string> ins = value_names(node, true), outs = value_names(node, false);
+  for (size_t i = kGqaInputs; i < ins.size(); ++i)
+    if (!ins[i].empty())
+      return refuse(std::string("input ") + (i - kGqaInputs < 8 ? kGqaExtraInputs[i - kGqaInputs] : "#" + std::to_string(i)) +
+                    " is given (not supported)");
+  if (outs.size() > 3 && !outs[3].empty()) return refuse("output output_qk is requested");
+  if (outs.size() < 3 || outs[1].empty() || outs[2].empty()) return refuse("present_key/present_value not both requested");
+  const ONNXTensorElementDataType t = input_type(node, 0);
+  if (t != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT && t != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16)
+    return refuse("query type " + std::to_string(static_cast<int>(t)) + " (supported: float, float16)");
+  for (size_t i : {size_t{3}, size_t{4}}) {
+    if (i >= ins.size() || ins[i].empty()) continue;
+    const ONNXTensorElementDataType c = input_type(node, i);
+    if (c != t) return refuse("past cache type " + std::to_string(static_cast<int>(c)) + " differs from query type (quantized cache)");
+  }
+  return true;
+}
+
+NodeComputeInfo* compile_gqa(const OrtNode* node, const OrtNode* fused_node) {
+  auto info = std::make_unique<GqaComputeInfo>();
+  int64_t v = 0;
+  node_attr_int(node, "num_heads", &info->attrs.num_heads);
+  node_attr_int(node, "kv_num_heads", &info->attrs.kv_num_heads);
+  node_attr_int(node, "local_window_size", &info->attrs.local_window_size);
+  node_attr_float(node, "scale", &info->attrs.scale);
+  node_attr_float(node, "softcap", &info->attrs.softcap);
+  info->attrs.do_rotary = node_attr_int(node, "do_rotary", &v) && v == 1;
+  v = 0;
+  info->attrs.rotary_interleaved = node_attr_int(node, "rotary_interleaved", &v) && v == 1;
+  map_by_name(value_names(node, true), value_names(fused_node, true), info->in_index);
+  map_by_name(value_names(node, false), value_names(fused_node, false), info->out_index);
+  if (info->out_index[0] < 0) throw std::runtime_error("GroupQueryAttention output not found");
+  return NodeComputeInfo::init(info.release());
+}
+
+// Which standard op a node is: 1 = ONNX Attention, 2 = com.microsoft GroupQueryAttention, 0 = neither.
+int standard_kind(const OrtNode* node) {
+  const char* domain = nullptr;
+  const char* op = nullptr;
+  check(api().Node_GetDomain(node, &domain));
+  check(api().Node_GetOperatorType(node, &op));
+  if (!domain || !op) return 0;
+  if (domain[0] == '\0' && std::strcmp(op, "Attention") == 0) return 1;
+  if (std::strcmp(domain, "com.microsoft") == 0 && std::strcmp(op, "GroupQueryAttention") == 0) return 2;
+  return 0;
+}
+
+}  // namespace
+
+bool supports_standard_node(const OrtNode* node, std::string* why) {
+  why->clear();
+  switch (standard_kind(node)) {
+    case 1: return supports_onnx_attention(node, why);
+    case 2: return supports_gqa(node, why);
+    default: return false;
+  }
+}
+
 OrtStatus* compile_standard_node(const OrtGraph* graph, const OrtNode* fused_node, OrtNodeComputeInfo** out) {
   try {
     size_t n = 0;
@@ -168,36 +392,23 @@ OrtStatus* compile_standard_node(const OrtGraph* graph, const OrtNode* fused_nod
     if (n != 1) return make_status(ORT_FAIL, "OnnxLightExecutionProvider: expected one node per fused graph");
     const OrtNode* node = nullptr;
     check(api().Graph_GetNodes(graph, &node, 1));
-    auto info = std::make_unique<AttentionComputeInfo>();
-    node_attr_int(node, "is_causal", &info->attrs.is_causal);
-    node_attr_int(node, "q_num_heads", &info->attrs.q_num_heads);
-    node_attr_int(node, "kv_num_heads", &info->attrs.kv_num_heads);
-    node_attr_float(node, "scale", &info->attrs.scale);
-    node_attr_float(node, "softcap", &info->attrs.softcap);
+    const int kind = standard_kind(node);
+    if (kind == 0) return make_status(ORT_FAIL, "OnnxLightExecutionProvider: fused node is not an attention op");
+    NodeComputeInfo* info = kind == 1 ? compile_onnx_attention(node, fused_node) : compile_gqa(node, fused_node);
     const char* name = nullptr;
     check(api().Node_GetName(node, &name));
     info->node = name ? name : "";
-    // ORT deduplicates and reorders a fused node's inputs: map them by name.
-    const std::vector<std::string> ins = value_names(node, true), outs = value_names(node, false);
-    const std::vector<std::string> fins = value_names(fused_node, true), fouts = value_names(fused_node, false);
-    auto find = [](const std::vector<std::string>& v, const std::string& s) -> int {
-      if (s.empty()) return -1;
-      for (size_t i = 0; i < v.size(); ++i)
-        if (v[i] == s) return static_cast<int>(i);
-      return -1;
-    };
-    for (int i = 0; i < kInputs; ++i) info->in_index[i] = i < static_cast<int>(ins.size()) ? find(fins, ins[static_cast<size_t>(i)]) : -1;
-    for (int i = 0; i < kOutputs; ++i)
-      info->out_index[i] = i < static_cast<int>(outs.size()) ? find(fouts, outs[static_cast<size_t>(i)]) : -1;
-    if (info->out_index[0] < 0) return make_status(ORT_FAIL, "OnnxLightExecutionProvider: Attention output Y not found");
-    *out = info.release();
+    *out = info;
     return nullptr;
   } catch (const std::exception& e) {
     return make_status(ORT_FAIL, std::string("OnnxLightExecutionProvider: Compile: ") + e.what());
   }
 }
 
-void release_compute_info(OrtNodeComputeInfo* info) { delete static_cast<AttentionComputeInfo*>(info); }
+void release_compute_info(OrtNodeComputeInfo* info) {
+  NodeComputeInfo* n = static_cast<NodeComputeInfo*>(info);
+  n->destroy(n);
+}
 
 }  // namespace provider
 }  // namespace olep

@@ -1,8 +1,15 @@
-// The EP's tensor compatibility mode: standard ONNX Attention (opset 23/24)
-// nodes of models that were NOT converted are claimed one node per fused
-// graph and run on our kernels, producing Y and present_key/present_value
-// exactly as ORT does (ops/attention_tensor.h). What is not supported is left
-// to ORT with a reason the caller logs.
+// The EP's tensor compatibility mode: standard attention nodes of models that
+// were NOT converted are claimed one node per fused graph and run on our
+// kernels, producing the outputs and present_key/present_value exactly as ORT
+// does:
+//   - ONNX Attention, opset 23/24 (ops/attention_tensor.h);
+//   - com.microsoft GroupQueryAttention as onnxruntime-genai emits it: packed
+//     or separate Q/K/V, do_rotary with cos/sin caches, local_window_size,
+//     softcap, scale, separate or shared (IOBinding) past/present buffers
+//     (ops/gqa_tensor.h).
+// What is not supported is left to ORT with a reason the caller logs (e.g.
+// GQA smooth_softmax, qk_output, quantized caches, position_ids,
+// attention_bias, head_sink, unknown attributes).
 #pragma once
 
 #include <string>
