@@ -1,0 +1,1 @@
+"""Real models for examples and tests, built locally on first use (see ``smollm2``)."""

@@ -1,0 +1,602 @@
+#!/usr/bin/env python3
+"""Regenerate the exported decoder fixtures in ``tests/data/`` (fixed seed, fully offline).
+
+Small random-weight decoders (Llama with GQA, Qwen2 with QKV bias, GPT-2 with learned
+positions and MHA) are built with transformers from tiny configs and exported with the
+exporters people really use:
+
+* ``genai``   -- onnxruntime-genai model builder (``python -m onnxruntime_genai.models.builder``),
+                 fp32 and int4, CPU: ``com.microsoft.GroupQueryAttention``.
+* ``dynamo``  -- ``torch.onnx.export(dynamo=True)`` through a thin wrapper module that takes flat
+                 ``past_key_values.N.key/value`` tensors and returns ``logits`` + flat
+                 ``present.N.key/value``: opset 23 (ONNX ``Attention``) and opset 18
+                 (MatMul/Softmax/MatMul).
+* ``optimum`` -- ``optimum-cli export onnx --task text-generation-with-past --opset 18``, run in
+                 a separate virtualenv because optimum-onnx pins transformers < 4.58.
+
+All models of one family share the same weights (same seed, same Hugging Face folder), so their
+fp32 goldens agree; each fp32 export is checked against a PyTorch reference (full recompute
+without a cache) before it is written.
+
+For each fixture ``NAME`` it writes ``tests/data/NAME.onnx`` (weights embedded, one file),
+``tests/data/NAME.npz`` (golden: ``prompt_ids`` [1, 8], ``generated_ids`` [1, 32] from 32 greedy
+steps on plain ONNX Runtime CPUExecutionProvider feeding ``present`` back as ``past``,
+``prefill_logits`` [1, 8, vocab], ``min_margin`` = smallest top-1/top-2 logit gap over the 32
+steps), and one entry of ``tests/data/manifest.json``.
+
+Usage (see tests/data/README.md for the versions it was run with)::
+
+    HF_HUB_OFFLINE=1 python tools/make_test_models.py            # everything, into tests/data
+    python tools/make_test_models.py --only genai_llama_fp32 dynamo_op23_gpt2
+    python tools/make_test_models.py --list
+
+Needs torch, transformers 5.x, onnxscript, onnxruntime-genai, onnx and onnxruntime in the running
+interpreter; the optimum exports need a virtualenv with optimum-onnx (``--optimum-venv``,
+created with pinned versions when missing unless ``--no-create-venv``).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import numpy as np  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_OUT = REPO / "tests" / "data"
+DEFAULT_VENV = Path("/tmp/venv-optimum")
+
+SEED = 0
+# batch 1, 8 tokens. Picked once among 24 seeded random prompts: with it every family's 32 greedy
+# steps keep a top-1/top-2 logit gap >= 0.05 (fp32 exporter noise is ~1e-5) and do not collapse
+# into a 1-2 token loop, so the goldens are robust and still exercise the cache.
+PROMPT_IDS = [1, 601, 960, 908, 177, 937, 725, 692]
+GREEDY_STEPS = 32
+
+# Pinned for the optimum virtualenv. torch first, from its own command, so pip never pulls another
+# (CUDA) build; it is pinned again on the second command line.
+TORCH_PIN = "torch==2.13.0"
+OPTIMUM_PINS = ["optimum-onnx==0.1.0", "optimum==2.1.0", "transformers==4.57.6", "accelerate==1.15.0",
+                "onnxruntime==1.32.0", "onnx==1.23.2"]
+
+# The final norm's weight is multiplied by LOGIT_SCALE: logits with a std of ~5 give greedy
+# top-1/top-2 margins well above fp32 noise, while attention (init 0.2) stays soft.
+LOGIT_SCALE = 3.0
+FINAL_NORM_WEIGHTS = {"model.norm.weight", "transformer.ln_f.weight", "transformer.ln_f.bias"}
+
+# ---------------------------------------------------------------------------------------------
+# Tiny configs. hidden 64, 2 layers, vocab 1000; no linear layer other than the LM head is 1000
+# wide (the genai builder takes any linear of vocab width for the LM head). Embeddings are tied,
+# as in SmolLM2 / small Qwen2 / GPT-2. Non-default RoPE bases so a wrong rotary base shows.
+# initializer_range 0.2 (not 0.02): attention scores far from uniform (yet not one-hot), so the
+# goldens are sensitive to attention/cache bugs.
+# ---------------------------------------------------------------------------------------------
+VOCAB = 1000
+COMMON = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True,
+              initializer_range=0.2)
+
+FAMILIES = {
+    "llama": dict(cls="LlamaConfig", kwargs=dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 100000.0}, **COMMON)),
+    "qwen2": dict(cls="Qwen2Config", kwargs=dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
+        use_sliding_window=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, **COMMON)),
+    "gpt2": dict(cls="GPT2Config", kwargs=dict(
+        n_embd=64, n_layer=2, n_head=4, n_inner=128, n_positions=512,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **COMMON)),
+}
+
+# name -> (exporter, family, options)
+FIXTURES = {
+    "genai_llama_fp32": ("genai", "llama", {"precision": "fp32"}),
+    "genai_llama_int4": ("genai", "llama", {"precision": "int4"}),
+    "genai_qwen2_fp32": ("genai", "qwen2", {"precision": "fp32"}),
+    "dynamo_op23_llama": ("dynamo", "llama", {"opset": 23}),
+    "dynamo_op23_qwen2": ("dynamo", "qwen2", {"opset": 23}),
+    "dynamo_op23_gpt2": ("dynamo", "gpt2", {"opset": 23}),
+    "dynamo_op18_llama": ("dynamo", "llama", {"opset": 18}),
+    "optimum_op18_llama": ("optimum", "llama", {"opset": 18}),
+    "optimum_op18_gpt2": ("optimum", "gpt2", {"opset": 18}),
+}
+
+TOKENIZER_TEXT = [
+    "The capital of France is Paris.",
+    "Hello world, this is a tiny tokenizer for test models.",
+    "ONNX Runtime runs decoder models on the CPU with a key value cache.",
+    "A persistent cache keeps every layer's keys and values between runs.",
+]
+
+
+def log(msg):
+    print(f"[make_test_models] {msg}", flush=True)
+
+
+def run(cmd, env=None, cwd=None):
+    log("$ " + " ".join(str(c) for c in cmd))
+    t0 = time.time()
+    proc = subprocess.run([str(c) for c in cmd], env=env, cwd=cwd, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+    if proc.returncode != 0:
+        sys.stdout.write(proc.stdout[-20000:])
+        raise RuntimeError(f"command failed ({proc.returncode}): {' '.join(map(str, cmd))}")
+    log(f"  done in {time.time() - t0:.1f}s")
+    return proc.stdout
+
+
+def offline_env():
+    env = dict(os.environ)
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    return env
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face folders
+# ---------------------------------------------------------------------------------------------
+def make_tokenizer():
+    """A byte-level BPE trained on a few sentences (the genai builder needs a tokenizer)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(TOKENIZER_TEXT, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>", model_max_length=512)
+
+
+def build_hf_folder(family, dest):
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    spec = FAMILIES[family]
+    cfg = getattr(transformers, spec["cls"])(**spec["kwargs"])
+    torch.manual_seed(SEED)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    # transformers initialises biases to 0 and norm weights to 1, which would hide a dropped
+    # bias (Qwen2's QKV bias, GPT-2's) or a misapplied norm weight: give every 1-D parameter
+    # random values (seeded) so they matter.
+    g = torch.Generator().manual_seed(SEED + 1)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if p.ndim == 1:
+                noise = torch.randn(p.shape, generator=g)
+                p.copy_((1.0 + 0.1 * noise) if pname.endswith("weight") else 0.5 * noise)
+                if pname in FINAL_NORM_WEIGHTS:
+                    p.mul_(LOGIT_SCALE)
+    dest.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(dest)
+    make_tokenizer().save_pretrained(dest)
+    log(f"built {family} ({sum(p.numel() for p in model.parameters())} params) in {dest}")
+    return dest
+
+
+def optimum_hf_folder(src, dest):
+    """A copy whose config.json also has the old-style RoPE keys that transformers 4.x reads
+    (``rope_theta``, ``rope_scaling``); without them 4.x silently uses its default base."""
+    shutil.copytree(src, dest, dirs_exist_ok=True)
+    p = dest / "config.json"
+    cfg = json.loads(p.read_text())
+    rp = cfg.get("rope_parameters")
+    if isinstance(rp, dict):
+        cfg["rope_theta"] = rp["rope_theta"]
+        cfg["rope_scaling"] = None if rp.get("rope_type", "default") == "default" else dict(rp)
+    p.write_text(json.dumps(cfg, indent=2))
+    return dest
+
+
+def model_dims(hf_dir):
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    if cfg["model_type"] == "gpt2":
+        hq = cfg["n_head"]
+        return dict(num_layers=cfg["n_layer"], q_num_heads=hq, kv_num_heads=hq,
+                    head_dim=cfg["n_embd"] // hq, hidden_size=cfg["n_embd"],
+                    vocab_size=cfg["vocab_size"], rope_theta=None,
+                    max_position_embeddings=cfg["n_positions"])
+    hq = cfg["num_attention_heads"]
+    return dict(num_layers=cfg["num_hidden_layers"], q_num_heads=hq,
+                kv_num_heads=cfg.get("num_key_value_heads") or hq,
+                head_dim=cfg.get("head_dim") or cfg["hidden_size"] // hq,
+                hidden_size=cfg["hidden_size"], vocab_size=cfg["vocab_size"],
+                rope_theta=(cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta")),
+                max_position_embeddings=cfg["max_position_embeddings"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Exporters
+# ---------------------------------------------------------------------------------------------
+def export_genai(hf_dir, work, precision):
+    out = work / "out"
+    run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", hf_dir, "-o", out,
+         "-p", precision, "-e", "cpu", "-c", work / "cache"], env=offline_env())
+    extra = {"genai_config": json.loads((out / "genai_config.json").read_text())}
+    return out / "model.onnx", extra
+
+
+def export_dynamo(hf_dir, work, opset):
+    import inspect
+
+    import torch
+    from transformers import AutoModelForCausalLM, DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="sdpa").eval()
+    params = inspect.signature(model.forward).parameters
+    cache_kw = "cache" if "cache" in params else "past_key_values"
+    dims = model_dims(hf_dir)
+    L, hkv, D = dims["num_layers"], dims["kv_num_heads"], dims["head_dim"]
+
+    class FlatCacheWrapper(torch.nn.Module):
+        """forward(input_ids, attention_mask, position_ids, past) -> (logits, *present), where
+        ``past`` is a tuple (k0, v0, k1, v1, ...) of [batch, kv_heads, past_seq, head_dim]."""
+
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, input_ids, attention_mask, position_ids, past):
+            # Fill DynamicLayers directly: DynamicCache(ddp_cache_data=...) concatenates onto an
+            # empty 1-D tensor, which torch.export does not trace cleanly.
+            cache = DynamicCache()
+            for i in range(L):
+                layer = DynamicLayer()
+                layer.keys, layer.values = past[2 * i], past[2 * i + 1]
+                layer.device = past[2 * i].device
+                layer.is_initialized = True
+                cache.layers.append(layer)
+            out = self.m(input_ids=input_ids, attention_mask=attention_mask,
+                         position_ids=position_ids, use_cache=True, **{cache_kw: cache})
+            new_cache = getattr(out, "cache", None)
+            if new_cache is None:
+                new_cache = out.past_key_values
+            flat = []
+            for layer in new_cache.layers:
+                flat += [layer.keys, layer.values]
+            return (out.logits, *flat)
+
+    wrapper = FlatCacheWrapper(model).eval()
+    B, S, P = 2, 3, 4   # sample sizes: distinct and > 1 so none gets specialized
+    g = torch.Generator().manual_seed(SEED)
+    ids = torch.randint(0, dims["vocab_size"], (B, S), generator=g)
+    mask = torch.ones(B, P + S, dtype=torch.int64)
+    pos = torch.arange(P, P + S).expand(B, S).contiguous()
+    past = tuple(torch.randn(B, hkv, P, D, generator=g) for _ in range(2 * L))
+    in_names = ["input_ids", "attention_mask", "position_ids"] + [
+        f"past_key_values.{i}.{kv}" for i in range(L) for kv in ("key", "value")]
+    out_names = ["logits"] + [f"present.{i}.{kv}" for i in range(L) for kv in ("key", "value")]
+    dyn = [{0: "batch_size", 1: "sequence_length"},
+           {0: "batch_size", 1: "total_sequence_length"},
+           {0: "batch_size", 1: "sequence_length"},
+           tuple({0: "batch_size", 2: "past_sequence_length"} for _ in range(2 * L))]
+    path = work / "model.onnx"
+    log(f"torch.onnx.export(dynamo=True, opset_version={opset}) of {hf_dir.name}")
+    with torch.no_grad():
+        torch.onnx.export(wrapper, (ids, mask, pos, past), str(path), dynamo=True,
+                          opset_version=opset, input_names=in_names, output_names=out_names,
+                          dynamic_shapes=dyn, external_data=False, verbose=False)
+    return path, {"wrapper": "FlatCacheWrapper(input_ids, attention_mask, position_ids, past) "
+                             "-> (logits, *present)"}
+
+
+def ensure_optimum_venv(venv, create):
+    py = venv / "bin" / "python"
+    cli = venv / "bin" / "optimum-cli"
+    if cli.exists():
+        return py, cli
+    if not create:
+        raise RuntimeError(f"{cli} not found (create the venv or pass --optimum-venv)")
+    log(f"creating optimum virtualenv {venv}")
+    run([sys.executable, "-m", "venv", venv])
+    run([py, "-m", "pip", "install", TORCH_PIN])
+    run([py, "-m", "pip", "install", TORCH_PIN, *OPTIMUM_PINS])
+    return py, cli
+
+
+def export_optimum(hf_dir, work, opset, venv, create_venv):
+    py, cli = ensure_optimum_venv(venv, create_venv)
+    src = optimum_hf_folder(hf_dir, work / "hf")
+    out = work / "out"
+    run([cli, "export", "onnx", "--model", src, "--task", "text-generation-with-past",
+         "--opset", str(opset), "--device", "cpu", out], env=offline_env())
+    versions = run([py, "-c", "import importlib.metadata as m; print(' '.join(p + '==' + m.version(p) "
+                    "for p in ('optimum-onnx', 'optimum', 'transformers', 'torch', 'onnx')))"])
+    return out / "model.onnx", {"optimum_env": versions.strip().splitlines()[-1]}
+
+
+# ---------------------------------------------------------------------------------------------
+# Analysis, goldens, reference check
+# ---------------------------------------------------------------------------------------------
+def _vi(v):
+    import onnx
+
+    t = v.type.tensor_type
+    return {"name": v.name, "dtype": np.dtype(onnx.helper.tensor_dtype_to_np_dtype(t.elem_type)).name,
+            "shape": [d.dim_param if d.dim_param else d.dim_value for d in t.shape.dim]}
+
+
+def attention_pattern(model):
+    """Counts of the nodes that make up attention and the cache in the main graph."""
+    g = model.graph
+    past = {i.name for i in g.input if i.name.startswith("past_key_values.")}
+    present = {o.name for o in g.output if o.name.startswith("present.")}
+    ops = collections.Counter((n.domain + "." if n.domain not in ("", "ai.onnx") else "") + n.op_type
+                              for n in g.node)
+    producers = collections.Counter()
+    concat_on_past = 0
+    for n in g.node:
+        if n.op_type == "Concat" and any(i in past for i in n.input):
+            concat_on_past += 1
+        for o in n.output:
+            if o in present:
+                producers[n.op_type] += 1
+    keep = ("com.microsoft.GroupQueryAttention", "com.microsoft.MultiHeadAttention", "Attention",
+            "com.microsoft.Attention", "Softmax", "RotaryEmbedding", "com.microsoft.RotaryEmbedding",
+            "com.microsoft.MatMulNBits", "com.microsoft.GatherBlockQuantized", "MatMul")
+    pat = {k: ops[k] for k in keep if ops.get(k)}
+    pat["Concat_on_past"] = concat_on_past
+    pat["present_producers"] = dict(producers)
+    return pat, dict(sorted(ops.items()))
+
+
+def finalize_onnx(src, dst):
+    """Load with external data and save as one self-contained file."""
+    import onnx
+
+    m = onnx.load(str(src), load_external_data=True)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(m, str(dst))
+    return m
+
+
+def onnx_checker_result(model):
+    """None when onnx.checker accepts the model, else its first error line (the genai builder puts
+    ORT's contrib SimplifiedLayerNormalization in the default domain, which the checker rejects)."""
+    import onnx
+
+    try:
+        onnx.checker.check_model(model)
+        return None
+    except Exception as e:  # noqa: BLE001 -- reported in the manifest, not fatal
+        return str(e).strip().splitlines()[0]
+
+
+def past_names(sess):
+    return [i.name for i in sess.get_inputs() if i.name.startswith("past_key_values.")]
+
+
+def ort_greedy(path, dims, prompt=PROMPT_IDS, steps=GREEDY_STEPS):
+    """Plain ORT (CPUExecutionProvider) greedy decode feeding present back as past."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    in_names = {i.name for i in sess.get_inputs()}
+    out_names = [o.name for o in sess.get_outputs()]
+    pasts = past_names(sess)
+    cache = {n: np.zeros((1, dims["kv_num_heads"], 0, dims["head_dim"]), np.float32) for n in pasts}
+    ids = np.array([prompt], dtype=np.int64)
+    total, generated, margins, prefill = 0, [], [], None
+    for step in range(steps):
+        s = ids.shape[1]
+        feeds = {"input_ids": ids, "attention_mask": np.ones((1, total + s), np.int64), **cache}
+        if "position_ids" in in_names:
+            feeds["position_ids"] = np.arange(total, total + s, dtype=np.int64)[None]
+        unknown = in_names - set(feeds)
+        if unknown:
+            raise RuntimeError(f"{path.name}: unhandled inputs {sorted(unknown)}")
+        res = dict(zip(out_names, sess.run(None, feeds)))
+        logits = res["logits"]
+        if step == 0:
+            prefill = logits.copy()
+        last = logits[0, -1]
+        top2 = np.partition(last, -2)[-2:]
+        margins.append(float(top2[1] - top2[0]))
+        nxt = int(np.argmax(last))
+        generated.append(nxt)
+        total += s
+        cache = {n: res[n.replace("past_key_values.", "present.")] for n in pasts}
+        assert all(v.shape[2] == total for v in cache.values()), "present length != past + new"
+        ids = np.array([[nxt]], dtype=np.int64)
+    return dict(prompt_ids=np.array([prompt], np.int64), generated_ids=np.array([generated], np.int64),
+                prefill_logits=prefill.astype(np.float32), min_margin=np.float32(min(margins)))
+
+
+_TORCH_REF = {}
+
+
+def torch_reference(hf_dir, prompt=PROMPT_IDS, steps=GREEDY_STEPS):
+    """Greedy decode in PyTorch recomputing the whole sequence each step (no cache)."""
+    key = str(hf_dir)
+    if key not in _TORCH_REF:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager").eval()
+        ids = torch.tensor([prompt])
+        gen, prefill = [], None
+        with torch.no_grad():
+            for step in range(steps):
+                out = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
+                if step == 0:
+                    prefill = out.logits.numpy().copy()
+                nxt = int(out.logits[0, -1].argmax())
+                gen.append(nxt)
+                ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
+        _TORCH_REF[key] = (np.array([gen]), prefill)
+    return _TORCH_REF[key]
+
+
+# ---------------------------------------------------------------------------------------------
+# Versions
+# ---------------------------------------------------------------------------------------------
+def versions():
+    import importlib.metadata as md
+
+    out = {"python": sys.version.split()[0]}
+    for p in ("torch", "transformers", "onnxscript", "onnxruntime-genai", "onnxruntime", "onnx",
+              "tokenizers", "numpy"):
+        try:
+            out[p] = md.version(p)
+        except md.PackageNotFoundError:
+            out[p] = None
+    return out
+
+
+def exporter_version(exporter, extra, vers):
+    if exporter == "genai":
+        return f"onnxruntime-genai=={vers['onnxruntime-genai']} (transformers=={vers['transformers']})"
+    if exporter == "dynamo":
+        return f"torch=={vers['torch']} onnxscript=={vers['onnxscript']} transformers=={vers['transformers']}"
+    return extra.get("optimum_env", "optimum")
+
+
+# ---------------------------------------------------------------------------------------------
+def make_fixture(name, hf_dirs, out_dir, work_root, args, vers):
+    import onnx
+
+    exporter, family, opts = FIXTURES[name]
+    hf_dir = hf_dirs[family]
+    work = work_root / name
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    t0 = time.time()
+    if exporter == "genai":
+        raw, extra = export_genai(hf_dir, work, opts["precision"])
+    elif exporter == "dynamo":
+        raw, extra = export_dynamo(hf_dir, work, opts["opset"])
+    else:
+        raw, extra = export_optimum(hf_dir, work, opts["opset"], args.optimum_venv, not args.no_create_venv)
+    dst = out_dir / f"{name}.onnx"
+    model = finalize_onnx(raw, dst)
+    dims = model_dims(hf_dir)
+    golden = ort_greedy(dst, dims)
+    weights = opts.get("precision", "fp32")
+
+    ref_ids, ref_prefill = torch_reference(hf_dir)
+    ref_check = {"generated_ids_equal": bool(np.array_equal(ref_ids, golden["generated_ids"])),
+                 "prefill_logits_max_abs_diff": float(np.abs(ref_prefill - golden["prefill_logits"]).max())}
+    if weights == "fp32" and not (ref_check["generated_ids_equal"]
+                                  and ref_check["prefill_logits_max_abs_diff"] < 1e-3):
+        raise RuntimeError(f"{name}: plain-ORT golden disagrees with the PyTorch reference: {ref_check}; "
+                           f"ort={golden['generated_ids'].tolist()} torch={ref_ids.tolist()}")
+    np.savez(out_dir / f"{name}.npz", **golden)
+
+    opsets = {(o.domain or "ai.onnx"): o.version for o in model.opset_import}
+    pattern, op_counts = attention_pattern(model)
+    ins = [_vi(v) for v in model.graph.input]
+    outs = [_vi(v) for v in model.graph.output]
+    entry = {
+        "file": dst.name,
+        "golden": f"{name}.npz",
+        "exporter": exporter,
+        "exporter_version": exporter_version(exporter, extra, vers),
+        "family": family,
+        "architecture": json.loads((hf_dir / "config.json").read_text())["architectures"][0],
+        "weights": weights,
+        "opset": opsets.get("ai.onnx"),
+        "opsets": opsets,
+        "ir_version": model.ir_version,
+        **dims,
+        "kv_layout": "[batch, kv_num_heads, seq, head_dim]",
+        "past_key": "past_key_values.{layer}.key",
+        "past_value": "past_key_values.{layer}.value",
+        "present_key": "present.{layer}.key",
+        "present_value": "present.{layer}.value",
+        "has_position_ids": any(i["name"] == "position_ids" for i in ins),
+        "inputs": ins,
+        "outputs": outs,
+        "attention_pattern": pattern,
+        "op_counts": op_counts,
+        "reference_check": ref_check,
+        "onnx_checker_error": onnx_checker_result(model),
+        "min_margin": float(golden["min_margin"]),
+        "size_bytes": dst.stat().st_size,
+        "sha256": hashlib.sha256(dst.read_bytes()).hexdigest(),
+    }
+    entry.update({k: v for k, v in extra.items() if k != "optimum_env"})
+    log(f"{name}: {dst.stat().st_size} bytes, {pattern}, ref {ref_check}, "
+        f"margin {entry['min_margin']:.3f}, {time.time() - t0:.1f}s")
+    return entry
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default tests/data)")
+    ap.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temp dir)")
+    ap.add_argument("--only", nargs="+", choices=sorted(FIXTURES), help="fixtures to (re)build")
+    ap.add_argument("--optimum-venv", type=Path, default=DEFAULT_VENV,
+                    help=f"virtualenv with optimum-onnx (default {DEFAULT_VENV})")
+    ap.add_argument("--no-create-venv", action="store_true", help="fail instead of creating the venv")
+    ap.add_argument("--keep-work", action="store_true", help="keep the scratch folder")
+    ap.add_argument("--list", action="store_true", help="list fixture names and exit")
+    args = ap.parse_args(argv)
+    if args.list:
+        for n, (e, f, o) in FIXTURES.items():
+            print(n, e, f, o)
+        return 0
+
+    names = args.only or list(FIXTURES)
+    args.out.mkdir(parents=True, exist_ok=True)
+    work_root = args.work or Path(tempfile.mkdtemp(prefix="make_test_models."))
+    work_root.mkdir(parents=True, exist_ok=True)
+    vers = versions()
+    log(f"versions: {vers}")
+    manifest_path = args.out / "manifest.json"
+    manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() and args.only else {}
+    models = dict(manifest.get("models", {}))
+    try:
+        hf_dirs = {f: build_hf_folder(f, work_root / f"hf_{f}")
+                   for f in sorted({FIXTURES[n][1] for n in names})}
+        for n in names:
+            models[n] = make_fixture(n, hf_dirs, args.out, work_root, args, vers)
+    finally:
+        if not args.keep_work:
+            shutil.rmtree(work_root, ignore_errors=True)
+        else:
+            log(f"scratch kept in {work_root}")
+
+    manifest = {
+        "generator": "tools/make_test_models.py",
+        "command": "HF_HUB_OFFLINE=1 python tools/make_test_models.py",
+        "seed": SEED,
+        "prompt_ids": PROMPT_IDS,
+        "greedy_steps": GREEDY_STEPS,
+        "golden_keys": {"prompt_ids": "int64 [1, 8]", "generated_ids": "int64 [1, 32]",
+                        "prefill_logits": "float32 [1, 8, vocab]",
+                        "min_margin": "float32 scalar, min top1-top2 logit gap over the steps"},
+        "versions": {**manifest.get("versions", {}), **vers},
+        "hf_configs": {f: {"class": FAMILIES[f]["cls"], **FAMILIES[f]["kwargs"]} for f in FAMILIES},
+        "models": {k: models[k] for k in FIXTURES if k in models},
+    }
+    for m in manifest["models"].values():
+        if m["exporter"] == "optimum":
+            manifest["versions"]["optimum_env"] = m["exporter_version"]
+    manifest_path.write_text(json.dumps(manifest, indent=1) + "\n")
+    log(f"wrote {manifest_path} ({len(manifest['models'])} models)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
