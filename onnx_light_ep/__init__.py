@@ -10,7 +10,11 @@ Public names:
   ``onnxruntime.SessionOptions`` for the ops and the EP.
 - ``InferenceSession(model, sess_options=None, provider_options=None)``: an
   ``onnxruntime.InferenceSession`` that is guaranteed to run on the EP.
-- ``KVCache``: the cache object; feed ``KVCache.handle`` to the model.
+- ``KVCache``: the cache object; feed ``KVCache.handle`` to the model
+  (``KVCache.for_model(path_or_session, batch_size, max_sequence_length)``
+  sizes one for a converted model).
+- ``convert(input_path, output_path, **options)``: rewrite an exported decoder
+  into a cache-aware model (``onnx_light_ep.rewrite``); returns a report.
 
 See docs/API.md for the full contract. ``onnxruntime`` is imported only when
 ``register``/``InferenceSession`` are called.
@@ -74,11 +78,22 @@ else:
 
     __version__ = "0.1.0"
 
+    def convert(input_path, output_path, **options):
+        """Rewrite an exported decoder model to use a ``KVCache``; see ``onnx_light_ep.rewrite.convert``.
+
+        Returns an ``onnx_light_ep.rewrite.ConvertReport``; raises
+        ``onnx_light_ep.rewrite.ConvertError`` when nothing can be converted.
+        """
+        from .rewrite import convert as _convert
+
+        return _convert(input_path, output_path, **options)
+
     __all__ = [
         "DOMAIN",
         "EP_NAME",
         "InferenceSession",
         "KVCache",
+        "convert",
         "get_library_path",
         "register",
     ]

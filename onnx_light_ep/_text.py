@@ -1,0 +1,143 @@
+"""Tokenizer, chat template and end-of-sequence ids found next to a model.
+
+Optional: a model folder may hold ``tokenizer.json`` (Hugging Face
+``tokenizers`` format), ``tokenizer_config.json``, ``chat_template.jinja``,
+``genai_config.json`` / ``generation_config.json`` / ``config.json``. The
+``tokenizers`` package reads the first (``transformers`` is used instead when
+``tokenizers`` is missing); ``jinja2`` renders the chat template. Without them
+callers pass token ids.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Iterable, List, Optional, Set
+
+__all__ = ["TextTokenizer", "eos_token_ids"]
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _as_ids(value) -> Set[int]:
+    if value is None:
+        return set()
+    if isinstance(value, int):
+        return {value}
+    if isinstance(value, (list, tuple)):
+        return {int(v) for v in value if isinstance(v, int)}
+    return set()
+
+
+def eos_token_ids(*folders: str) -> Set[int]:
+    """End-of-sequence token ids declared by the config files in ``folders`` (may be empty)."""
+    ids: Set[int] = set()
+    for d in folders:
+        if not d:
+            continue
+        genai = _read_json(os.path.join(d, "genai_config.json")).get("model", {})
+        ids |= _as_ids(genai.get("eos_token_id"))
+        ids |= _as_ids(_read_json(os.path.join(d, "generation_config.json")).get("eos_token_id"))
+        ids |= _as_ids(_read_json(os.path.join(d, "config.json")).get("eos_token_id"))
+    return ids
+
+
+class TextTokenizer:
+    """Text ⇄ token ids for one model folder.
+
+    Construct with :meth:`find`. ``encode`` adds no special tokens (chat
+    templates write their own); ``decode`` skips special tokens.
+    """
+
+    def __init__(self, folder: str, backend, kind: str):
+        self.folder = folder
+        self._tok = backend
+        self._kind = kind
+        self._config = _read_json(os.path.join(folder, "tokenizer_config.json"))
+        self.eos_token_ids: Set[int] = eos_token_ids(folder)
+        eos = self._config.get("eos_token")
+        if isinstance(eos, dict):
+            eos = eos.get("content")
+        if isinstance(eos, str):
+            tid = self.token_to_id(eos)
+            if tid is not None:
+                self.eos_token_ids.add(tid)
+
+    @classmethod
+    def find(cls, folders: Iterable[str]) -> Optional["TextTokenizer"]:
+        """The tokenizer of the first folder holding ``tokenizer.json``, or None.
+
+        None also when neither ``tokenizers`` nor ``transformers`` is installed.
+        """
+        for d in folders:
+            if not d or not os.path.isfile(os.path.join(d, "tokenizer.json")):
+                continue
+            try:
+                from tokenizers import Tokenizer
+
+                return cls(d, Tokenizer.from_file(os.path.join(d, "tokenizer.json")), "tokenizers")
+            except ImportError:
+                pass
+            try:
+                from transformers import AutoTokenizer
+
+                return cls(d, AutoTokenizer.from_pretrained(d), "transformers")
+            except Exception:
+                return None
+        return None
+
+    def token_to_id(self, token: str) -> Optional[int]:
+        if self._kind == "tokenizers":
+            return self._tok.token_to_id(token)
+        tid = self._tok.convert_tokens_to_ids(token)
+        return tid if isinstance(tid, int) else None
+
+    def encode(self, text: str) -> List[int]:
+        if self._kind == "tokenizers":
+            return list(self._tok.encode(text, add_special_tokens=False).ids)
+        return list(self._tok(text, add_special_tokens=False)["input_ids"])
+
+    def decode(self, ids: Iterable[int]) -> str:
+        ids = [int(i) for i in ids]
+        if self._kind == "tokenizers":
+            return self._tok.decode(ids, skip_special_tokens=True)
+        return self._tok.decode(ids, skip_special_tokens=True)
+
+    def chat_template(self) -> Optional[str]:
+        path = os.path.join(self.folder, "chat_template.jinja")
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                return f.read()
+        t = self._config.get("chat_template")
+        return t if isinstance(t, str) else None
+
+    def chat_prompt(self, question: str) -> Optional[str]:
+        """``question`` as one user turn of the chat template, ready for the assistant; None without a template."""
+        template = self.chat_template()
+        if template is None:
+            return None
+        try:
+            import jinja2
+        except ImportError:
+            return None
+
+        def raise_exception(msg):
+            raise ValueError(msg)
+
+        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+
+        def tok(name):
+            v = self._config.get(name)
+            return v.get("content", "") if isinstance(v, dict) else (v or "")
+
+        return env.from_string(template).render(
+            messages=[{"role": "user", "content": question}], add_generation_prompt=True,
+            bos_token=tok("bos_token"), eos_token=tok("eos_token"))

@@ -1,0 +1,274 @@
+"""``convert(input_path, output_path, **options) -> ConvertReport``."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, Optional, Sequence
+
+import onnx
+from onnx import TensorProto
+
+from ._convert import attempt
+from ._graph import FLOAT_TYPES, external_data_files
+from ._metadata import write_metadata
+from ._plan import Refusal
+
+#: Saved with external data above this many bytes of tensors (protobuf's limit is 2 GiB).
+EXTERNAL_DATA_THRESHOLD = 1_800_000_000
+
+_LOOKED_FOR = (
+    "com.microsoft.GroupQueryAttention with past_key/past_value; "
+    "ONNX Attention (opset 23+) with past_key/past_value or present outputs; "
+    "Concat(past, new) feeding a stateless ONNX Attention; "
+    "TensorScatter(past, new) feeding Attention(nonpad_kv_seqlen); "
+    "Concat(past, new) feeding MatMul/scale/mask/Softmax/MatMul"
+)
+
+
+class ConvertError(ValueError):
+    """The model cannot be converted; the message says what was looked for and why."""
+
+
+@dataclass
+class ConvertReport:
+    """What :func:`convert` did.
+
+    Attributes:
+        input_path, output_path: the files (the input is never modified).
+        num_layers: ``CacheAttention`` nodes written (layers ``0..num_layers-1``).
+        kv_num_heads, head_dim, v_head_dim, dtype: the cache geometry
+            (what ``KVCache.for_model`` reads back from the metadata).
+        patterns: source patterns replaced.
+        layers: per layer: ``layer``, ``node``, ``pattern``, ``past_key``,
+            ``past_value``, ``present_key``, ``present_value``, ``exported``
+            (present kept through ``CacheExport``), ``attrs``, ``notes``.
+        refused: attentions left as they were: ``node``, ``pattern``, ``reason``.
+        removed_inputs, removed_outputs: the loop-carried tensors removed.
+        kept_outputs: present outputs kept (produced by ``CacheExport``).
+        cache_input: name of the added int64 ``[1]`` input.
+        metadata: the ``onnx_light.*`` entries written.
+        notes: model-level remarks.
+    """
+
+    input_path: str
+    output_path: str
+    num_layers: int
+    kv_num_heads: int
+    head_dim: int
+    v_head_dim: int
+    dtype: str
+    patterns: List[str]
+    layers: List[Dict[str, Any]]
+    refused: List[Dict[str, str]]
+    removed_inputs: List[str]
+    removed_outputs: List[str]
+    kept_outputs: List[str]
+    cache_input: str
+    metadata: Dict[str, Any] = field(default_factory=dict)
+    notes: List[str] = field(default_factory=list)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        lines = [
+            f"converted {self.input_path} -> {self.output_path}",
+            f"  {self.num_layers} layer(s) -> ai.onnx_light.CacheAttention ({', '.join(self.patterns)}); "
+            f"cache: kv_num_heads={self.kv_num_heads} head_dim={self.head_dim} v_head_dim={self.v_head_dim} "
+            f"dtype={self.dtype}; input {self.cache_input!r} added",
+            f"  removed {len(self.removed_inputs)} past input(s) and {len(self.removed_outputs)} present output(s)",
+        ]
+        exported = [str(x["layer"]) for x in self.layers if x["exported"]]
+        if exported:
+            lines.append(f"  present kept through CacheExport for layer(s) {', '.join(exported)}: "
+                         f"{', '.join(self.kept_outputs) or 'consumed inside the graph'}")
+        for r in self.refused:
+            lines.append(f"  left unchanged: {r['node']} ({r['pattern']}): {r['reason']}")
+        for n in self.notes:
+            lines.append(f"  note: {n}")
+        seen = set()
+        for x in self.layers:
+            for n in x["notes"]:
+                if n not in seen:
+                    seen.add(n)
+                    lines.append(f"  note (layer {x['layer']}+): {n}")
+        return "\n".join(lines)
+
+
+def _refusal_dict(r: Refusal) -> Dict[str, str]:
+    return {"node": r.anchor, "pattern": r.pattern, "reason": r.reason}
+
+
+def _tensor_bytes(model: onnx.ModelProto) -> int:
+    total = 0
+    for t in model.graph.initializer:
+        n = 1
+        for d in t.dims:
+            n *= d
+        total += n * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+    return total
+
+
+def convert(input_path, output_path, *, keep_present: Sequence[str] = (), sliding_window: Optional[int] = None,
+            cache_input: str = "kv_cache", check: bool = True) -> ConvertReport:
+    """Rewrite a decoder ONNX model so its attention uses a persistent ``KVCache``.
+
+    Args:
+        input_path: the exported model (str or PathLike; external data next
+            to it is read, never written).
+        output_path: where to write the converted model. Its external data (if
+            any) goes to ``<output_path>.data`` next to it. Must differ from
+            the input file and from the input's external-data files.
+        keep_present: present output names to keep as outputs (produced by
+            ``CacheExport``, so each run copies that layer's cache out).
+        sliding_window: window (tokens including the current one) for
+            attentions whose exported graph carries none (decomposed or
+            Concat patterns, CASES C06); recorded in the metadata. None = no window.
+        cache_input: name of the int64 ``[1]`` cache-handle input to add.
+        check: run ``onnx.checker.check_model`` on the result.
+
+    Returns:
+        :class:`ConvertReport`.
+
+    Raises:
+        ConvertError: no recognizable attention with a cache (the message lists
+            the patterns looked for and the reasons attentions were refused),
+            or bad paths/options.
+        FileNotFoundError: ``input_path`` does not exist.
+    """
+    src = os.fspath(input_path)
+    dst = os.fspath(output_path)
+    if not os.path.isfile(src):
+        raise FileNotFoundError(f"convert: input_path; expected an ONNX file, got {src!r} (not found)")
+    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window <= 0):
+        raise ConvertError(f"convert: sliding_window; expected a positive int or None, got {sliding_window!r}")
+    base_dir = os.path.dirname(os.path.abspath(src))
+    original = onnx.load(src, load_external_data=False)
+    protected = {os.path.realpath(src)} | external_data_files(original, base_dir)
+    dst_data = dst + ".data"
+    for path, what in ((dst, "output_path"), (dst_data, "output external data file")):
+        if os.path.realpath(path) in protected:
+            raise ConvertError(f"convert: {what}; expected a file that is not part of the input model, got {path!r}")
+    keep = list(keep_present)
+    outputs = {o.name for o in original.graph.output}
+    for k in keep:
+        if k not in outputs:
+            raise ConvertError(f"convert: keep_present; expected output names of the model, got {k!r}")
+
+    excluded: Dict[str, Refusal] = {}
+    for _ in range(256):
+        try:
+            res = attempt(original, base_dir, excluded, keep, sliding_window, cache_input)
+        except ValueError as e:
+            raise ConvertError(str(e)) from e
+        if not res.new_refusals:
+            break
+        for r in res.new_refusals:
+            excluded[r.anchor] = r
+    else:  # pragma: no cover - each round excludes at least one attention
+        raise ConvertError("convert: could not settle which layers are safe to convert")
+    refused = [_refusal_dict(r) for r in res.refusals]
+    if not res.plans:
+        why = "; ".join(f"{r['node']} ({r['pattern']}): {r['reason']}" for r in refused) or "none found"
+        raise ConvertError(f"convert: no attention with a loop-carried KV cache to convert in {src!r}. "
+                           f"Looked for: {_LOOKED_FOR}. Attentions refused: {why}")
+
+    plans = res.plans
+    p0 = plans[0]
+    layers = []
+    for layer, p in enumerate(plans):
+        layers.append({
+            "layer": layer, "node": p.anchor_name, "pattern": p.pattern, "q_num_heads": p.q_num_heads,
+            "scale": p.attrs.get("scale"), "softcap": p.attrs.get("softcap", 0.0),
+            "local_window_size": p.attrs.get("local_window_size", -1), "is_causal": p.attrs.get("is_causal", 0),
+            "past_key": p.past_key, "past_value": p.past_value, "present_key": p.present_key,
+            "present_value": p.present_value, "exported": layer in res.exported, "notes": list(p.notes),
+            "attrs": dict(p.attrs),
+        })
+    tensor_pairs = _untouched_pairs(res)
+    max_position = _max_position(res)
+    meta = {
+        "num_layers": len(plans), "kv_num_heads": p0.kv_num_heads, "head_dim": p0.head_dim,
+        "v_head_dim": p0.v_head_dim, "dtype": FLOAT_TYPES[p0.elem_type], "cache_input": cache_input,
+        "source_pattern": ",".join(sorted({p.pattern for p in plans})),
+        "padding_side": "right" if any(p.padding == "right" for p in plans) else "left",
+        "inputs": res.io_names, "logits_output": _logits_name(res.model),
+        "layers": [{k: v for k, v in x.items() if k not in ("notes", "attrs")} for x in layers],
+        "tensor_pairs": tensor_pairs, "max_position": max_position,
+    }
+    write_metadata(res.model, meta)
+    _save(res.model, dst, base_dir, original)
+    notes = list(res.notes)
+    if check:
+        notes += _check(src, dst)
+    return ConvertReport(
+        input_path=src, output_path=dst, num_layers=len(plans), kv_num_heads=p0.kv_num_heads,
+        head_dim=p0.head_dim, v_head_dim=p0.v_head_dim, dtype=FLOAT_TYPES[p0.elem_type],
+        patterns=sorted({p.pattern for p in plans}), layers=layers, refused=refused,
+        removed_inputs=res.removed_inputs, removed_outputs=res.removed_outputs, kept_outputs=res.kept_outputs,
+        cache_input=cache_input, metadata={k: v for k, v in meta.items() if v is not None}, notes=notes)
+
+
+def _check(src: str, dst: str) -> List[str]:
+    """``onnx.checker`` on the result; a failure the input model has too is reported, not raised."""
+    try:
+        onnx.checker.check_model(dst)
+        return []
+    except onnx.checker.ValidationError as e:
+        err = str(e).splitlines()[0]
+    try:
+        onnx.checker.check_model(src)
+    except onnx.checker.ValidationError as e0:
+        if str(e0).splitlines()[0] == err:
+            return [f"onnx.checker fails on the input model already, the same way: {err}"]
+    raise ConvertError(f"convert: the converted model fails onnx.checker: {err}")
+
+
+def _logits_name(model: onnx.ModelProto) -> Optional[str]:
+    names = [o.name for o in model.graph.output]
+    if "logits" in names:
+        return "logits"
+    return names[0] if names else None
+
+
+def _untouched_pairs(res) -> List[List[str]]:
+    """Past/present pairs still in the graph (layers left as they were), paired by name."""
+    ins = [i.name for i in res.model.graph.input if i.type.tensor_type.elem_type in FLOAT_TYPES]
+    outs = [o.name for o in res.model.graph.output]
+    pairs = []
+    for i in ins:
+        for a, b in (("past_key_values", "present"), ("past_key", "present_key"), ("past_value", "present_value"),
+                     ("past", "present")):
+            cand = i.replace(a, b, 1)
+            if a in i and cand in outs:
+                pairs.append([i, cand])
+                break
+    return pairs
+
+
+def _max_position(res) -> Optional[int]:
+    for p in res.plans:
+        if p.pattern == "GroupQueryAttention" and len(p.anchor.input) > 7 and p.anchor.input[7]:
+            for t in res.model.graph.initializer:
+                if t.name == p.anchor.input[7] and len(t.dims) == 2:
+                    return int(t.dims[0])
+    return None
+
+
+def _save(model: onnx.ModelProto, dst: str, base_dir: str, original: onnx.ModelProto) -> None:
+    has_external = any(t.data_location == TensorProto.EXTERNAL for t in model.graph.initializer)
+    big = _tensor_bytes(model) > EXTERNAL_DATA_THRESHOLD
+    out_dir = os.path.dirname(os.path.abspath(dst))
+    os.makedirs(out_dir, exist_ok=True)
+    data_name = os.path.basename(dst) + ".data"
+    data_path = os.path.join(out_dir, data_name)
+    if has_external:
+        onnx.external_data_helper.load_external_data_for_model(model, base_dir)
+    if has_external or big:
+        if os.path.exists(data_path):
+            os.remove(data_path)  # onnx appends to an existing file
+        onnx.save_model(model, dst, save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=data_name, size_threshold=1024, convert_attribute=False)
+    else:
+        onnx.save_model(model, dst)

