@@ -117,11 +117,11 @@ def _gguf_path(root: Path, progress) -> Path:
 def _check_build_deps():
     missing = [name for mod, name in (("torch", "torch"), ("transformers", "transformers>=5"),
                                       ("gguf", "gguf"), ("accelerate", "accelerate"),
-                                      ("onnxruntime_genai", "onnxruntime-genai"))
+                                      ("onnxruntime_genai", "onnxruntime-genai"), ("onnx_ir", "onnx-ir"))
                if importlib.util.find_spec(mod) is None]
     if missing:
         raise RuntimeError("building the SmolLM2 ONNX export needs: " + ", ".join(missing) +
-                           " (install torch first, e.g. pip install torch==2.13.0)")
+                           " (python -m pip install \".[models]\" from the onnx-light-ep checkout)")
 
 
 @contextlib.contextmanager

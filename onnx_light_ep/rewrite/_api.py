@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -199,6 +200,7 @@ def convert(input_path, output_path, *, keep_present: Sequence[str] = (), slidin
     }
     write_metadata(res.model, meta)
     _save(res.model, dst, base_dir, original)
+    _copy_tokenizer_files(base_dir, os.path.dirname(os.path.abspath(dst)))
     notes = list(res.notes)
     if check:
         notes += _check(src, dst)
@@ -256,6 +258,21 @@ def _max_position(res) -> Optional[int]:
     return None
 
 
+# Files a tokenizer/chat template needs, copied next to a converted model written to another
+# folder, so `generate`/`compare` find them there as they would next to the original.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "generation_config.json")
+
+
+def _copy_tokenizer_files(src_dir: str, dst_dir: str) -> None:
+    if os.path.realpath(src_dir) == os.path.realpath(dst_dir):
+        return
+    for name in TOKENIZER_FILES:
+        a, b = os.path.join(src_dir, name), os.path.join(dst_dir, name)
+        if os.path.isfile(a) and not os.path.exists(b):
+            shutil.copyfile(a, b)
+
+
 def _save(model: onnx.ModelProto, dst: str, base_dir: str, original: onnx.ModelProto) -> None:
     has_external = any(t.data_location == TensorProto.EXTERNAL for t in model.graph.initializer)
     big = _tensor_bytes(model) > EXTERNAL_DATA_THRESHOLD
@@ -268,7 +285,17 @@ def _save(model: onnx.ModelProto, dst: str, base_dir: str, original: onnx.ModelP
     if has_external or big:
         if os.path.exists(data_path):
             os.remove(data_path)  # onnx appends to an existing file
-        onnx.save_model(model, dst, save_as_external_data=True, all_tensors_to_one_file=True,
-                        location=data_name, size_threshold=1024, convert_attribute=False)
+        # Mark the large initializers external ourselves, then save: onnx's save_model(location=...)
+        # and convert_model_to_external_data check for an existing file relative to the *current
+        # directory*, not to dst; save_model writes the data next to dst.
+        from onnx import numpy_helper
+        from onnx.external_data_helper import set_external_data
+
+        for t in model.graph.initializer:
+            if not t.HasField("raw_data"):
+                t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t), t.name))
+            if len(t.raw_data) >= 1024:
+                set_external_data(t, location=data_name)
+        onnx.save_model(model, dst)
     else:
         onnx.save_model(model, dst)

@@ -57,6 +57,13 @@ def find_plans(ed: GraphEditor, sliding_window: Optional[int]) -> Tuple[List[Lay
     plans, refusals = [], []
     for node in list(ed.graph.node):
         r = match_gqa(ed, node) or match_attention(ed, node)
+        if isinstance(r, LayerPlan) and sliding_window is not None:
+            # The decomposed matcher applies the option itself; the others get it here.
+            had = int(r.attrs.get("local_window_size", -1))
+            r.attrs["local_window_size"] = int(sliding_window)
+            r.notes.append(f"sliding window {sliding_window} from the options" +
+                           (f" (replaces the graph's {had})" if had not in (-1, sliding_window) else
+                            "" if had == sliding_window else " (not in the exported graph)"))
         if r is None and node.op_type == "Softmax":
             r = match_decomposed(ed, node, sliding_window)
         if isinstance(r, LayerPlan):

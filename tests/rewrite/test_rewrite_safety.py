@@ -194,3 +194,49 @@ def test_converted_model_runs_on_plain_cpu_with_the_custom_ops(tmp_path, cpu_ses
         a = cpu.run(["logits"], {"input_ids": ids, "attention_mask": mask, "kv_cache": c1.handle})[0]
         b = ep.run(["logits"], {"input_ids": ids, "attention_mask": mask, "kv_cache": c2.handle})[0]
     assert_close(a, b, np.float32)
+
+
+def test_external_data_does_not_depend_on_the_current_directory(tmp_path, monkeypatch):
+    """A '<output>.data' file in the *current* directory (e.g. running from the model's own
+    folder) must not break or be touched by a convert that writes elsewhere."""
+    model = G.decoder(G.gqa_block, layers=2, opsets=MS)
+    src = str(tmp_path / "model.onnx")
+    onnx.save(model, src, save_as_external_data=True, all_tensors_to_one_file=True, location="model.onnx.data",
+              size_threshold=256)
+    digest = H.file_digest(tmp_path / "model.onnx.data")
+    monkeypatch.chdir(tmp_path)
+    dst = str(tmp_path / "out" / "model.onnx")
+    report = convert(src, dst)
+    assert os.path.isfile(dst + ".data")
+    assert H.file_digest(tmp_path / "model.onnx.data") == digest
+    H.greedy_steps(src, dst, report, [PROMPT], 3, padding="right")
+
+
+def test_sliding_window_option_applies_to_every_pattern(tmp_path):
+    """--sliding-window reaches the CacheAttention attribute and the metadata for the
+    Attention and GroupQueryAttention patterns too, not only the decomposed chain."""
+    import json
+
+    data = os.path.join(os.path.dirname(__file__), "..", "data")
+    for name in ("dynamo_op23_llama.onnx", "genai_llama_fp32.onnx", "optimum_op18_llama.onnx"):
+        dst = str(tmp_path / name)
+        convert(os.path.join(data, name), dst, sliding_window=8)
+        m = onnx.load(dst, load_external_data=False)
+        wins = [a.i for n in m.graph.node if n.op_type == "CacheAttention" for a in n.attribute
+                if a.name == "local_window_size"]
+        assert wins and set(wins) == {8}, (name, wins)
+        meta = {p.key: p.value for p in m.metadata_props}
+        layers = json.loads(meta["onnx_light.layers"])
+        assert {l["local_window_size"] for l in layers} == {8}, name
+
+
+def test_tokenizer_files_follow_the_converted_model(tmp_path):
+    src_dir = tmp_path / "src"
+    src_dir.mkdir()
+    src = H.save(G.decoder(G.gqa_block, layers=2, opsets=MS), src_dir / "model.onnx")
+    (src_dir / "tokenizer.json").write_text('{"version": "1.0"}')
+    (src_dir / "chat_template.jinja").write_text("{{ messages }}")
+    dst = str(tmp_path / "out" / "model.onnx")
+    convert(src, dst)
+    assert (tmp_path / "out" / "tokenizer.json").read_text() == '{"version": "1.0"}'
+    assert (tmp_path / "out" / "chat_template.jinja").is_file()
