@@ -87,8 +87,11 @@ void onnx_attention(const OnnxAttentionAttrs& a, const OnnxAttentionInputs& in, 
   layout_strides(d.rank, d.kv_heads, key_seq, d.head_dim, ks);
   layout_strides(d.rank, d.kv_heads, key_seq, d.v_head_dim, vs);
   const size_t pk_row = static_cast<size_t>(d.head_dim) * es, pv_row = static_cast<size_t>(d.v_head_dim) * es;
-  for (int64_t b = 0; b < d.batch; ++b)
-    for (int64_t h = 0; h < d.kv_heads; ++h) {
+  // One (sequence, kv head) per task on the intra-op pool: the copy is memory-bound and
+  // as large as the cache, so it gets the threads too.
+  auto copy_one = [&](int64_t item) {
+    const int64_t b = item / d.kv_heads, h = item % d.kv_heads;
+    {
       const size_t bh = static_cast<size_t>(b * d.kv_heads + h);
       char* kd = static_cast<char*>(present_key) + bh * static_cast<size_t>(s.total) * pk_row;
       char* vd = static_cast<char*>(present_value) + bh * static_cast<size_t>(s.total) * pv_row;
@@ -105,6 +108,13 @@ void onnx_attention(const OnnxAttentionAttrs& a, const OnnxAttentionInputs& in, 
                   vd + static_cast<size_t>(s.past) * pv_row);
       }
     }
+  };
+  const int64_t items = d.batch * d.kv_heads;
+  if (parallel_for && items > 1) {
+    parallel_for(items, copy_one);
+  } else {
+    for (int64_t i = 0; i < items; ++i) copy_one(i);
+  }
 
   AttentionCall call;
   call.d = d;
