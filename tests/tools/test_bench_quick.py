@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
-bench = pytest.importorskip("onnx_light_ep.bench")
+from onnx_light_ep import bench
 
 
 def test_quick_json_structure(tmp_path):
