@@ -88,8 +88,7 @@ const char* isa_name(Isa isa);
 /// Best level this CPU supports.
 Isa detected_isa();
 /// Level in use: detected_isa(), or ONNX_LIGHT_ISA=scalar|avx2|avx512 from the environment
-/// at first use, or set_isa(). A level the CPU lacks is refused. When no level is forced,
-/// attend_range may pick a lower level per call where measured faster (float32 on AMD: AVX2).
+/// at first use, or set_isa(). A level the CPU lacks is refused.
 Isa active_isa();
 /// Forces a level (tests, benchmarks). Throws std::invalid_argument if the CPU lacks it.
 void set_isa(Isa isa);

@@ -25,6 +25,7 @@ struct Avx2 {
   static vf sub(vf a, vf b) { return _mm256_sub_ps(a, b); }
   static vf mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
   static vf div(vf a, vf b) { return _mm256_div_ps(a, b); }
+  static vf max(vf a, vf b) { return _mm256_max_ps(a, b); }
   static vf abs(vf a) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), a); }
   static vf copysign(vf mag, vf sign) {
     const vf m = _mm256_set1_ps(-0.0f);

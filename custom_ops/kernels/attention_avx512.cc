@@ -26,6 +26,7 @@ struct Avx512 {
   static vf sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
   static vf mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
   static vf div(vf a, vf b) { return _mm512_div_ps(a, b); }
+  static vf max(vf a, vf b) { return _mm512_max_ps(a, b); }
   static vf abs(vf a) { return _mm512_abs_ps(a); }
   static vf copysign(vf mag, vf sign) {
     const __m512i m = _mm512_set1_epi32(0x80000000);

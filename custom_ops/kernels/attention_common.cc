@@ -67,8 +67,11 @@ void finalize(const AttentionGroup& a, const AttentionState& s) {
 
 int64_t scratch_floats(const AttentionGroup& a) {
   const int64_t R = a.group_size * a.num_rows;
-  // q rows (pre-converted), one K/V tile of 16 keys converted to float, 16 probabilities per row.
-  return R * a.head_dim + 16 * (a.head_dim + a.v_head_dim) + R * 16 + a.head_dim + a.v_head_dim + 64;
+  // Row path: q rows (pre-converted), one K/V tile of 16 keys converted to float, 16
+  // probabilities per row, rescale factors. Lanes path: q transposed with rows padded to a
+  // multiple of 16, the same K/V tile, 32 probabilities per padded row (tiles of 32 keys), m/l/corr per padded row.
+  const int64_t Rp = R + 16;
+  return Rp * (a.head_dim + 32 + 3) + 32 * (a.head_dim + a.v_head_dim) + a.head_dim + a.v_head_dim + 64;
 }
 
 const char* isa_name(Isa isa) {
@@ -92,23 +95,6 @@ Isa detected_isa() {
 
 namespace {
 std::atomic<int> g_isa{-1};
-std::atomic<bool> g_isa_forced{false};  // set_isa() or ONNX_LIGHT_ISA: run exactly that level
-
-// AMD Zen 4 executes 512-bit FMAs as two 256-bit halves. Measured there (decode, D=128,
-// L=4K, 32 kv heads, tools: tests/cpp kernels in isolation): float32 K/V ran faster with the
-// AVX2 kernel (8-key tiles) than with AVX-512 (16-key tiles) — MHA 0.94x vs 1.10x and GQA 32/8
-// 1.23x vs 1.82x of the read time, MQA equal — while float16 ran faster with AVX-512 (MHA 0.73x
-// vs 1.08x, MQA 13x vs 17x). Through an ORT session the fp32 gap narrows to noise (MHA 1.77x
-// vs 1.88x, GQA 2.95x vs 3.00x, L=4K, 1 thread). So, unless a level is forced, float32 uses
-// AVX2 on AMD CPUs.
-bool fp32_prefers_avx2() {
-  static const bool amd = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_is("amd") != 0;
-  }();
-  return amd;
-}
-
 Isa from_env() {
   const Isa best = detected_isa();
   const char* e = std::getenv("ONNX_LIGHT_ISA");
@@ -119,7 +105,6 @@ Isa from_env() {
   else if (s == "avx2") want = Isa::kAvx2;
   else if (s == "avx512") want = Isa::kAvx512;
   else return best;
-  g_isa_forced.store(true, std::memory_order_relaxed);
   return static_cast<int>(want) <= static_cast<int>(best) ? want : best;
 }
 }  // namespace
@@ -138,17 +123,11 @@ void set_isa(Isa isa) {
     throw std::invalid_argument(std::string("set_isa: this CPU does not support ") + isa_name(isa) + "; best is " +
                                 isa_name(detected_isa()));
   g_isa.store(static_cast<int>(isa), std::memory_order_relaxed);
-  g_isa_forced.store(true, std::memory_order_relaxed);
 }
 
 void attend_range(const AttentionGroup& a, int64_t key_begin, int64_t key_end, AttentionState* state, float* scratch) {
   switch (active_isa()) {
-    case Isa::kAvx512:
-      if (a.dtype == DType::kFloat32 && !g_isa_forced.load(std::memory_order_relaxed) && fp32_prefers_avx2())
-        attend_range_avx2(a, key_begin, key_end, state, scratch);
-      else
-        attend_range_avx512(a, key_begin, key_end, state, scratch);
-      return;
+    case Isa::kAvx512: attend_range_avx512(a, key_begin, key_end, state, scratch); return;
     case Isa::kAvx2: attend_range_avx2(a, key_begin, key_end, state, scratch); return;
     case Isa::kScalar: attend_range_scalar(a, key_begin, key_end, state, scratch); return;
   }

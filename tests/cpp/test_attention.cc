@@ -27,11 +27,13 @@ struct Case {
   int blocks = 1;  // split the keys into this many blocks
 };
 
-double ref_row(const Case& c, const std::vector<float>& q, const std::vector<float>& k, const std::vector<float>& v,
-               const std::vector<uint8_t>& mb, const std::vector<float>& ma, int64_t h, int64_t i, int64_t d_out) {
+// Output row (h, i) of the reference, all Dv values (zeros where nothing is visible).
+std::vector<double> ref_row(const Case& c, const std::vector<float>& q, const std::vector<float>& k,
+                            const std::vector<float>& v, const std::vector<uint8_t>& mb, const std::vector<float>& ma,
+                            int64_t h, int64_t i) {
   const int64_t T = c.P + c.S;
   const double scale = 1.0 / std::sqrt(static_cast<double>(c.D));
-  std::vector<double> s(static_cast<size_t>(T), -INFINITY);
+  std::vector<double> s(static_cast<size_t>(T), -INFINITY), out(static_cast<size_t>(c.Dv), 0.0);
   for (int64_t j = 0; j < T; ++j) {
     const int64_t pos = c.P + i;
     if (c.causal && j > pos) continue;
@@ -48,14 +50,15 @@ double ref_row(const Case& c, const std::vector<float>& q, const std::vector<flo
   }
   double m = -INFINITY;
   for (double x : s) m = std::max(m, x);
-  if (!std::isfinite(m)) return 0.0;
-  double den = 0, num = 0;
+  if (!std::isfinite(m)) return out;
+  double den = 0;
   for (int64_t j = 0; j < T; ++j) {
     const double e = std::exp(s[static_cast<size_t>(j)] - m);
     den += e;
-    num += e * v[static_cast<size_t>(j * c.Dv + d_out)];
+    for (int64_t d = 0; d < c.Dv; ++d) out[static_cast<size_t>(d)] += e * v[static_cast<size_t>(j * c.Dv + d)];
   }
-  return num / den;
+  for (double& x : out) x /= den;
+  return out;
 }
 
 uint16_t enc(DType t, float f) { return t == DType::kFloat16 ? float_to_half(f) : float_to_bf16(f); }
@@ -135,7 +138,9 @@ void run_case(const Case& c, uint32_t seed, double tol) {
   std::vector<float> scratch(static_cast<size_t>(attend_group_floats(a)));
   attend_group(a, scratch.data());
   for (int64_t h = 0; h < c.G; ++h)
-    for (int64_t i = 0; i < c.S; ++i)
+    for (int64_t i = 0; i < c.S; ++i) {
+      const std::vector<double> want_row =
+          i < a.num_valid_rows ? ref_row(c, q, k, v, mb, ma, h, i) : std::vector<double>(static_cast<size_t>(c.Dv), 0.0);
       for (int64_t d = 0; d < c.Dv; ++d) {
         const size_t o = static_cast<size_t>((h * c.S + i) * c.Dv + d);
         float got;
@@ -146,15 +151,16 @@ void run_case(const Case& c, uint32_t seed, double tol) {
           std::memcpy(&b, &ob[o * 2], 2);
           got = dec(c.dtype, b);
         }
-        const double want = i < a.num_valid_rows ? ref_row(c, q, k, v, mb, ma, h, i, d) : 0.0;
+        const double want = want_row[static_cast<size_t>(d)];
         CHECK(std::isfinite(got));
         CHECK_NEAR(got, want, tol);
       }
+    }
 }
 
 // Split-KV: a key range processed in pieces and merged equals one pass.
-void split_matches_single_pass() {
-  const int64_t G = 4, D = 32, T = 200;
+void split_matches_single_pass(int64_t G) {
+  const int64_t D = 32, T = 200;
   std::mt19937 rng(3);
   std::normal_distribution<float> nd;
   std::vector<float> q(static_cast<size_t>(G * D)), k(static_cast<size_t>(T * D)), v(k.size()), o1(q.size()), o2(q.size());
@@ -200,6 +206,87 @@ void nan_propagates() {
   k[static_cast<size_t>(5 * D + 3)] = 0.2f;
   attend_group(a, buf.data());
   for (float x : out) CHECK_NEAR(x, 0.3f, 1e-6);  // the future NaN key is not read
+}
+
+// Every register-block shape of the SIMD row path (4, 2 and 1 rows per block) and the lanes
+// path (rows >= the vector width: padding lanes, several row blocks, prefill rows with
+// different causal ranges, rows past num_valid_rows), over several 32-key tiles with a partial
+// last tile, split blocks, masks, windows, softcap, fp16/bf16 and v_head_dim != head_dim.
+void block_and_lane_paths() {
+  uint32_t seed = 200;
+  for (int64_t G : {2, 3, 5, 8, 16, 32})
+    for (int64_t S : {1, 3}) {
+      Case c;
+      c.G = G; c.S = S; c.P = 77; c.D = 64; c.Dv = 32; c.blocks = 2;
+      run_case(c, seed++, 2e-5);
+      c.causal = false; c.window = 20;
+      run_case(c, seed++, 2e-5);
+      c.causal = true; c.window = -1; c.softcap = 3.0f;
+      run_case(c, seed++, 2e-5);
+      c.softcap = 0.0f; c.mask = 2;
+      run_case(c, seed++, 2e-5);
+    }
+  for (int64_t G : {4, 16}) {
+    Case c;  // D = Dv = 128: the 8-vector P.V chunks
+    c.G = G; c.S = 2; c.valid_rows = 1; c.P = 40; c.D = 128; c.Dv = 128;
+    run_case(c, seed++, 2e-5);
+    for (DType t : {DType::kFloat16, DType::kBFloat16}) {
+      c.dtype = t; c.valid_rows = -1; c.blocks = 3;
+      run_case(c, seed++, t == DType::kFloat16 ? 2e-3 : 1.6e-2);
+    }
+  }
+  Case pre;  // prefill block: 9 rows x 4 heads with per-row causal ranges, one 16-key window
+  pre.G = 4; pre.S = 9; pre.P = 50; pre.D = 16; pre.Dv = 16; pre.window = 16;
+  run_case(pre, seed++, 2e-5);
+}
+
+// Rows of a block past num_keys (cache capacity beyond the valid length) are never read: NaN
+// there must not reach the output, for every path (1 row, 4-row blocks, lanes).
+void poisoned_tail_unread() {
+  for (int64_t G : {1, 4, 16, 32})
+    for (int64_t T : {45, 64}) {
+      const int64_t D = 32, cap = 96;
+      std::vector<float> q(static_cast<size_t>(G * D)), k(static_cast<size_t>(cap * D), NAN), v(k.size(), NAN),
+          out(q.size());
+      std::mt19937 rng(static_cast<uint32_t>(G * 100 + T));
+      std::normal_distribution<float> nd;
+      for (auto& x : q) x = nd(rng);
+      for (int64_t i = 0; i < T * D; ++i) {
+        k[static_cast<size_t>(i)] = nd(rng);
+        v[static_cast<size_t>(i)] = nd(rng);
+      }
+      KVBlock b{k.data(), v.data(), 0, cap};
+      AttentionGroup a;
+      a.q = q.data(); a.q_head_stride = D; a.q_row_stride = D; a.out = out.data(); a.out_head_stride = D;
+      a.out_row_stride = D; a.group_size = G; a.num_rows = 1; a.num_valid_rows = 1; a.q_offset = T - 1;
+      a.num_keys = T; a.blocks = &b; a.num_blocks = 1; a.head_dim = D; a.v_head_dim = D; a.scale = 0.2f;
+      a.is_causal = true;
+      std::vector<float> buf(static_cast<size_t>(attend_group_floats(a)));
+      attend_group(a, buf.data());
+      for (float x : out) CHECK(std::isfinite(x));
+    }
+}
+
+// NaN in one query head makes only that head's rows NaN, in the lanes path too.
+void nan_in_one_head() {
+  const int64_t G = 16, D = 16, T = 50;
+  std::vector<float> q(static_cast<size_t>(G * D), 0.1f), k(static_cast<size_t>(T * D), 0.2f), v(k.size(), 0.3f),
+      out(q.size());
+  q[static_cast<size_t>(5 * D + 2)] = NAN;
+  KVBlock b{k.data(), v.data(), 0, T};
+  AttentionGroup a;
+  a.q = q.data(); a.q_head_stride = D; a.q_row_stride = D; a.out = out.data(); a.out_head_stride = D;
+  a.out_row_stride = D; a.group_size = G; a.num_rows = 1; a.num_valid_rows = 1; a.q_offset = T - 1;
+  a.num_keys = T; a.blocks = &b; a.num_blocks = 1; a.head_dim = D; a.v_head_dim = D; a.scale = 0.25f;
+  a.is_causal = true;
+  std::vector<float> buf(static_cast<size_t>(attend_group_floats(a)));
+  attend_group(a, buf.data());
+  for (int64_t h = 0; h < G; ++h)
+    for (int64_t d = 0; d < D; ++d) {
+      const float x = out[static_cast<size_t>(h * D + d)];
+      if (h == 5) CHECK(std::isnan(x));
+      else CHECK_NEAR(x, 0.3f, 1e-6);
+    }
 }
 
 }  // namespace
@@ -267,8 +354,11 @@ void run_all() {
   Case odd;  // head_dim not a multiple of the vector width: SIMD levels fall back to scalar
   odd.G = 2; odd.S = 2; odd.P = 5; odd.D = 12; odd.Dv = 12;
   run_case(odd, 21, 1e-5);
-  split_matches_single_pass();
+  for (int64_t G : {4, 32}) split_matches_single_pass(G);
   nan_propagates();
+  block_and_lane_paths();
+  poisoned_tail_unread();
+  nan_in_one_head();
 }
 
 int main() {
