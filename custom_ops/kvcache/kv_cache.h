@@ -152,6 +152,10 @@ class KVCache {
   int64_t committed_for_rows(int64_t rows) const;  // one (layer, sequence) over all heads, K+V
   int64_t row_bytes() const;                        // K+V bytes of one position over all heads
   void release_rows_from(int64_t layer, int64_t b, int64_t first_row);  // madvise pages past first_row
+  // Rows [0, new_rows) of (layer, b) are written, [0, old_rows) were: map every 2 MiB region
+  // that became fully written with one huge page (MADV_COLLAPSE). Only whole written regions,
+  // so committed memory stays exactly the pages the rows touch.
+  void promote_written(int64_t layer, int64_t b, int64_t old_rows, int64_t new_rows);
   void discard_step_locked();
   void discard_for_method_locked();   // a mutating method: remember whose run it interrupted
   void note_abandoned_locked();       // this thread's step is left unfinished by a new run
@@ -160,10 +164,13 @@ class KVCache {
 
   CacheGeometry g_;
   size_t page_ = 4096;
-  size_t key_block_bytes_ = 0;    // page-aligned
-  size_t value_block_bytes_ = 0;  // page-aligned
+  size_t key_block_bytes_ = 0;    // page-aligned (2 MiB-aligned when huge_)
+  size_t value_block_bytes_ = 0;  // page-aligned (2 MiB-aligned when huge_)
   size_t reserved_ = 0;
-  char* base_ = nullptr;
+  char* base_ = nullptr;          // 2 MiB-aligned when huge_
+  char* map_ = nullptr;           // the mapping (base_ rounded down), map_bytes_ long
+  size_t map_bytes_ = 0;
+  bool huge_ = false;             // blocks of >= 2 MiB: written 2 MiB regions become huge pages
 
   mutable std::mutex mu_;
   std::vector<int64_t> lens_;         // [batch] committed lengths

@@ -236,6 +236,26 @@ void test_truncate_reorder_fork_import() {
   check_content(c, {0, 0, 0});
 }
 
+// Blocks of >= 2 MiB: fully written 2 MiB regions become huge pages (MADV_COLLAPSE) as rows
+// arrive; content, truncation into a collapsed region, re-append, reorder and fork stay exact.
+void test_huge_page_blocks() {
+  KVCache c(geom(1, 2, 1, 512, 2048));  // 2048 rows x 2 KiB = 4 MiB blocks, 1024 rows per 2 MiB
+  step(c, 1000);
+  step(c, 100);  // crosses the first 2 MiB boundary of every block
+  check_content(c, {1100, 1100});
+  const int64_t page_rows = 2;  // 4 KiB pages hold 2 rows of 2 KiB
+  c.truncate({501, 1100});
+  check_content(c, {501, 1100});
+  CHECK(c.stats().committed_bytes == 2 * 4096 * ((501 + page_rows - 1) / page_rows + 1100 / page_rows));  // K+V
+  step(c, 600, {600, 600});  // sequence 0 crosses the boundary again, sequence 1 to 1700
+  check_content(c, {1101, 1700});
+  c.reorder({1, 1});
+  check_content(c, {1700, 1700}, {1, 1});
+  std::unique_ptr<KVCache> f = c.fork();
+  check_content(*f, {1700, 1700}, {1, 1});
+  CHECK(c.stats().committed_bytes == 2 * 2 * 4096 * (1700 / page_rows));
+}
+
 void test_registry() {
   Registry& r = Registry::instance();
   const int64_t before = r.num_live();
@@ -338,6 +358,7 @@ int main() {
   test_steps_commit_after_last_layer();
   test_ragged_and_limits();
   test_truncate_reorder_fork_import();
+  test_huge_page_blocks();
   test_registry();
   test_thread_ownership();
   test_short_model_is_reported();
