@@ -101,37 +101,6 @@ struct TilePrefetch {
   }
 };
 
-// acc[0..NV*W) = acc * c + sum_{t<n} p[t] * v[t][0..NV*W); NV fixed so the
-// accumulators stay in registers.
-template <class V, class L, int NV>
-inline void pv_chunk(float* acc, const typename L::elem* v, const float* p, int64_t n, int64_t v_stride, float c) {
-  using vf = typename V::vf;
-  constexpr int W = V::W;
-  vf o[NV];
-  const vf cv = V::set1(c);
-#pragma GCC unroll 8
-  for (int u = 0; u < NV; ++u) o[u] = V::mul(V::load(acc + u * W), cv);
-  for (int64_t t = 0; t < n; ++t) {
-    const vf pv = V::set1(p[t]);
-    const typename L::elem* vr = v + t * v_stride;
-#pragma GCC unroll 8
-    for (int u = 0; u < NV; ++u) o[u] = V::fma(pv, L::load(vr + u * W), o[u]);
-  }
-#pragma GCC unroll 8
-  for (int u = 0; u < NV; ++u) V::store(acc + u * W, o[u]);
-}
-
-// One output row: Dv (a multiple of W) in register-resident chunks of 8, 4, 2, 1 vectors.
-template <class V, class L>
-inline void pv_row(float* acc, const typename L::elem* v, const float* p, int64_t n, int64_t Dv, float c) {
-  constexpr int W = V::W;
-  int64_t d = 0;
-  for (; d + 8 * W <= Dv; d += 8 * W) pv_chunk<V, L, 8>(acc + d, v + d, p, n, Dv, c);
-  if (d + 4 * W <= Dv) { pv_chunk<V, L, 4>(acc + d, v + d, p, n, Dv, c); d += 4 * W; }
-  if (d + 2 * W <= Dv) { pv_chunk<V, L, 2>(acc + d, v + d, p, n, Dv, c); d += 2 * W; }
-  if (d + W <= Dv) pv_chunk<V, L, 1>(acc + d, v + d, p, n, Dv, c);
-}
-
 // RB output rows x NU vectors of Dv: o = o * c[row] + sum_t p(t, row) * v[t], with
 // p(t, row) = ptile[t * p_tstride + row * p_rstride]. Each V vector is loaded (and
 // converted) once for the RB rows.
@@ -180,7 +149,7 @@ inline void pv_rows(float* st_acc, const int64_t* rows, int64_t Dv, const typena
   int64_t d = 0;
   // Whole 8-vector chunks when the registers allow (RB * 8 accumulators + 8 V vectors):
   // each V row is then read in one sequential pass, which the stream from DRAM needs.
-  constexpr bool kWide = W >= 16 && RB <= 2;
+  constexpr bool kWide = (W >= 16 && RB <= 2) || RB == 1;
   if constexpr (kWide) {
     for (; d + 8 * W <= Dv; d += 8 * W) {
       point(d);
@@ -200,6 +169,19 @@ inline void pv_rows(float* st_acc, const int64_t* rows, int64_t Dv, const typena
     point(d);
     pv_block<V, L, RB, 1>(acc, rows, v + d, Dv, ptile, p_tstride, p_rstride, n, corr, pf);
   }
+}
+
+// Number of pv_block calls pv_rows<V, L, RB> makes for Dv (each steps the prefetcher once
+// per key).
+template <int W, int RB>
+constexpr int64_t pv_passes(int64_t Dv) {
+  int64_t d = 0, calls = 0;
+  if ((W >= 16 && RB <= 2) || RB == 1)
+    for (; d + 8 * W <= Dv; d += 8 * W) ++calls;
+  for (; d + 4 * W <= Dv; d += 4 * W) ++calls;
+  if (d + 2 * W <= Dv) { ++calls; d += 2 * W; }
+  if (d + W <= Dv) ++calls;
+  return calls;
 }
 
 // Raw scores of RB query rows against the W keys of a tile (rows of kp, stride D; rows past
@@ -308,8 +290,13 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
   TilePrefetch pf;
   const int64_t row_count = G * valid;
   // pf.step() calls per tile: score loops, then P.V loops (one per key per row pair and chunk)
-  const int64_t tile_steps = (row_count == 1 ? W : ((row_count + 3) / 4) * 4 * (D / W)) +
-                              (row_count / 2) * W * ((Dv / W + 7) / 8);
+  constexpr int kPvRows = (W >= 16 && !std::is_same<KE, float>::value) ? 4 : 2;
+  const int64_t tile_steps = [&] {
+    const int64_t r4 = row_count / 4, r2 = row_count % 4 / 2, r1 = row_count % 2;
+    const int64_t scores = r4 * 4 * (D / W) + r2 * 2 * (D / W) + r1 * W;
+    const int64_t pv = (row_count / kPvRows) * W * pv_passes<W, kPvRows>(Dv) + (row_count % kPvRows) * W * pv_passes<W, 1>(Dv);
+    return scores + pv;
+  }();
 
   for (int64_t blk = 0; blk < a.num_blocks; ++blk) {
     const KVBlock& kb = a.blocks[blk];
@@ -447,7 +434,9 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
 
       // ---- weighted V accumulation, rescale fused; RB rows per V load ----
       {
-        constexpr int RB = 2;
+        // 16-bit K/V: 4 rows per V load, so each V vector is converted once per 4 rows
+        // (measured 5% faster for GQA 32/8 fp16); float32: 2 rows with whole-row chunks.
+        constexpr int RB = kPvRows;
         int64_t rows[RB];
         int nr = 0;
         for (int64_t i = 0; i < valid; ++i)
@@ -458,7 +447,7 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
               nr = 0;
             }
           }
-        for (int k = 0; k < nr; ++k) pv_row<V, KL>(st->acc + rows[k] * Dv, vp, ptile + rows[k] * W, n, Dv, corr[rows[k]]);
+        for (int k = 0; k < nr; ++k) pv_rows<V, KL, 1>(st->acc, rows + k, Dv, vp, ptile, 1, W, n, corr, &pf);
       }
     }
   }
