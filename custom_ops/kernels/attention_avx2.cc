@@ -68,7 +68,7 @@ struct Avx2 {
     const __m256i m = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(static_cast<int>(bits)), lanes), lanes);
     return _mm256_blendv_ps(otherwise, if_set, _mm256_castsi256_ps(m));
   }
-  static vf exp(vf x) {
+  __attribute__((always_inline)) static vf exp(vf x) {
     x = _mm256_min_ps(_mm256_max_ps(x, set1(-87.33654f)), set1(88.72283f));
     const vf n = _mm256_round_ps(mul(x, set1(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     vf r = _mm256_fnmadd_ps(n, set1(0.693359375f), x);
@@ -84,7 +84,7 @@ struct Avx2 {
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(126)), 23);
     return mul(mul(p, _mm256_castsi256_ps(e)), set1(2.0f));
   }
-  static vf transpose_reduce(const vf* acc) {
+  __attribute__((always_inline)) static vf transpose_reduce(const vf* acc) {
     vf w[4];
     for (int k = 0; k < 4; ++k)
       w[k] = add(_mm256_unpacklo_ps(acc[2 * k], acc[2 * k + 1]), _mm256_unpackhi_ps(acc[2 * k], acc[2 * k + 1]));

@@ -54,7 +54,7 @@ struct Avx512 {
   static vf select(unsigned bits, vf if_set, vf otherwise) {
     return _mm512_mask_blend_ps(static_cast<__mmask16>(bits), otherwise, if_set);
   }
-  static vf exp(vf x) {
+  __attribute__((always_inline)) static vf exp(vf x) {
     // Cephes expf: x = n ln2 + r, |r| <= ln2/2; exp(r) by a degree-6 polynomial; scale by 2^n.
     x = _mm512_min_ps(_mm512_max_ps(x, set1(-87.33654f)), set1(88.72283f));
     const vf n = _mm512_roundscale_ps(mul(x, set1(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -70,7 +70,7 @@ struct Avx512 {
     return _mm512_scalef_ps(p, n);
   }
   // out[t] = sum of the lanes of acc[t], t = 0..15.
-  static vf transpose_reduce(const vf* acc) {
+  __attribute__((always_inline)) static vf transpose_reduce(const vf* acc) {
     vf w[8];
     for (int k = 0; k < 8; ++k)
       w[k] = add(_mm512_unpacklo_ps(acc[2 * k], acc[2 * k + 1]), _mm512_unpackhi_ps(acc[2 * k], acc[2 * k + 1]));

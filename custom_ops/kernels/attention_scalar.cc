@@ -49,7 +49,7 @@ void attend_range_scalar(const AttentionGroup& a, int64_t key_begin, int64_t key
           s *= a.scale;
           if (a.softcap > 0.0f) s = a.softcap * std::tanh(s / a.softcap);
           s += bias;
-          if (s != s) {  // NaN in q, k or the mask: the row's result is NaN, as in ONNX Attention
+          if (s != s || s == INFINITY) {  // NaN or +inf (q, k, mask): the row is NaN, as ONNX softmax gives
             st->l[r] = NAN;
             continue;
           }

@@ -34,14 +34,19 @@ namespace olep {
 namespace kernels {
 namespace simd {
 
+// The hot helpers below must inline into the tile loops (GCC otherwise outlines some of
+// them once the kernels grow, costing a call and register spills per tile).
+#define OLEP_HOT inline __attribute__((always_inline))
+#define OLEP_COLD_REGS __attribute__((noinline))
+
 template <class V>
-inline typename V::vf tanh_v(typename V::vf y) {
+OLEP_HOT typename V::vf tanh_v(typename V::vf y) {
   // tanh(y) = sign(y) * (1 - e) / (1 + e), e = exp(-2|y|) <= 1 (no overflow).
   const typename V::vf ay = V::abs(y);
   const typename V::vf e = V::exp(V::mul(ay, V::set1(-2.0f)));
   const typename V::vf one = V::set1(1.0f);
   const typename V::vf t = V::div(V::sub(one, e), V::add(one, e));
-  return V::copysign(t, y);
+  return V::select(V::nan_bits(y), y, V::copysign(t, y));  // V::exp clamps: keep NaN a NaN
 }
 
 // Converts n rows of `cols` elements (storage type t) to float rows; rows n..W-1 are zero.
@@ -104,8 +109,11 @@ struct TilePrefetch {
 // RB output rows x NU vectors of Dv: o = o * c[row] + sum_t p(t, row) * v[t], with
 // p(t, row) = ptile[t * p_tstride + row * p_rstride]. Each V vector is loaded (and
 // converted) once for the RB rows.
-template <class V, class L, int RB, int NU>
-inline void pv_block(float* const* acc, const int64_t* rows, const typename L::elem* v, int64_t v_stride,
+// kSkipZero: skip (row, key) pairs whose probability is 0, for tiles holding keys some row
+// cannot see (masked, causal future of a prefill row, outside the window): their V rows must
+// not reach that row (0 * NaN is NaN). Tiles every row sees in full take the plain loop.
+template <class V, class L, int RB, int NU, bool kSkipZero>
+OLEP_HOT void pv_block(float* const* acc, const int64_t* rows, const typename L::elem* v, int64_t v_stride,
                      const float* ptile, int64_t p_tstride, int64_t p_rstride, int64_t n, const float* corr,
                      TilePrefetch* pf) {
   using vf = typename V::vf;
@@ -126,7 +134,9 @@ inline void pv_block(float* const* acc, const int64_t* rows, const typename L::e
     for (int u = 0; u < NU; ++u) vv[u] = L::load(v + t * v_stride + u * W);
 #pragma GCC unroll 4
     for (int rr = 0; rr < RB; ++rr) {
-      const vf pb = V::set1(pr[rr][t * p_tstride]);
+      const float p = pr[rr][t * p_tstride];
+      if (kSkipZero && p == 0.0f) continue;
+      const vf pb = V::set1(p);
 #pragma GCC unroll 8
       for (int u = 0; u < NU; ++u) o[rr][u] = V::fma(pb, vv[u], o[rr][u]);
     }
@@ -138,8 +148,8 @@ inline void pv_block(float* const* acc, const int64_t* rows, const typename L::e
 }
 
 // pv_block over the whole Dv (a multiple of W) in chunks of 4, 2, 1 vectors.
-template <class V, class L, int RB>
-inline void pv_rows(float* st_acc, const int64_t* rows, int64_t Dv, const typename L::elem* v, const float* ptile,
+template <class V, class L, int RB, bool kSkipZero>
+OLEP_HOT void pv_rows(float* st_acc, const int64_t* rows, int64_t Dv, const typename L::elem* v, const float* ptile,
                     int64_t p_tstride, int64_t p_rstride, int64_t n, const float* corr, TilePrefetch* pf) {
   constexpr int W = V::W;
   float* acc[RB];
@@ -153,21 +163,21 @@ inline void pv_rows(float* st_acc, const int64_t* rows, int64_t Dv, const typena
   if constexpr (kWide) {
     for (; d + 8 * W <= Dv; d += 8 * W) {
       point(d);
-      pv_block<V, L, RB, 8>(acc, rows, v + d, Dv, ptile, p_tstride, p_rstride, n, corr, pf);
+      pv_block<V, L, RB, 8, kSkipZero>(acc, rows, v + d, Dv, ptile, p_tstride, p_rstride, n, corr, pf);
     }
   }
   for (; d + 4 * W <= Dv; d += 4 * W) {
     point(d);
-    pv_block<V, L, RB, 4>(acc, rows, v + d, Dv, ptile, p_tstride, p_rstride, n, corr, pf);
+    pv_block<V, L, RB, 4, kSkipZero>(acc, rows, v + d, Dv, ptile, p_tstride, p_rstride, n, corr, pf);
   }
   if (d + 2 * W <= Dv) {
     point(d);
-    pv_block<V, L, RB, 2>(acc, rows, v + d, Dv, ptile, p_tstride, p_rstride, n, corr, pf);
+    pv_block<V, L, RB, 2, kSkipZero>(acc, rows, v + d, Dv, ptile, p_tstride, p_rstride, n, corr, pf);
     d += 2 * W;
   }
   if (d + W <= Dv) {
     point(d);
-    pv_block<V, L, RB, 1>(acc, rows, v + d, Dv, ptile, p_tstride, p_rstride, n, corr, pf);
+    pv_block<V, L, RB, 1, kSkipZero>(acc, rows, v + d, Dv, ptile, p_tstride, p_rstride, n, corr, pf);
   }
 }
 
@@ -189,7 +199,7 @@ constexpr int64_t pv_passes(int64_t Dv) {
 // rows x KB = W / RB keys: each K load serves RB rows and each q load KB keys; one
 // transpose-reduce per W scores.
 template <class V, class KL, int RB>
-inline void scores_rows(const float* qf, int64_t D, const typename KL::elem* kp, const int64_t* rows, float* ptile,
+OLEP_COLD_REGS void scores_rows(const float* qf, int64_t D, const typename KL::elem* kp, const int64_t* rows, float* ptile,
                         TilePrefetch* pf) {
   using vf = typename V::vf;
   constexpr int W = V::W, KB = W / RB;
@@ -219,7 +229,7 @@ inline void scores_rows(const float* qf, int64_t D, const typename KL::elem* kp,
 
 // One row against the tile, walking K row by row (sequential addresses).
 template <class V, class KL>
-inline void scores_row_walk(const float* q, int64_t D, const typename KL::elem* kp, float* out, TilePrefetch* pf) {
+OLEP_COLD_REGS void scores_row_walk(const float* q, int64_t D, const typename KL::elem* kp, float* out, TilePrefetch* pf) {
   using vf = typename V::vf;
   constexpr int W = V::W;
   vf acc[W];
@@ -364,6 +374,8 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
 
       // ---- online softmax, row by row ----
       bool any = false;
+      bool all_seen = true;  // every row sees every key of the tile
+      const unsigned tile_bits = n >= 32 ? ~0u : ((1u << n) - 1u);
       for (int64_t i = 0; i < valid; ++i) {
         int64_t lo, hi;
         detail::visible_range(a, i, &lo, &hi);
@@ -394,6 +406,7 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
               live &= ~V::le_bits(bias, lowest);  // NaN biases stay live and make the row NaN
             }
           }
+          if (live != tile_bits) all_seen = false;
           if (!live) {
             corr[r] = 1.0f;
             std::memset(prow, 0, sizeof(float) * W);
@@ -405,7 +418,9 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
             s = V::mul(V::set1(a.softcap), tanh_v<V>(V::mul(x, V::set1(1.0f / a.softcap))));
           }
           s = V::add(s, bias);
-          if (V::nan_bits(s) & live) {  // NaN in q, k or the mask: the row's result is NaN (ONNX Attention)
+          // NaN or +inf in a visible score (from q, k or the mask): the row's result is NaN, as
+          // ONNX Attention's softmax gives (max = +inf, inf - inf = NaN).
+          if (~V::le_bits(s, FLT_MAX) & live) {
             st->l[r] = NAN;
             corr[r] = 1.0f;
             std::memset(prow, 0, sizeof(float) * W);
@@ -443,11 +458,15 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
           for (int64_t h = 0; h < G; ++h) {
             rows[nr++] = h * S + i;
             if (nr == RB) {
-              pv_rows<V, KL, RB>(st->acc, rows, Dv, vp, ptile, 1, W, n, corr, &pf);
+              if (all_seen) pv_rows<V, KL, RB, false>(st->acc, rows, Dv, vp, ptile, 1, W, n, corr, &pf);
+              else pv_rows<V, KL, RB, true>(st->acc, rows, Dv, vp, ptile, 1, W, n, corr, &pf);
               nr = 0;
             }
           }
-        for (int k = 0; k < nr; ++k) pv_rows<V, KL, 1>(st->acc, rows + k, Dv, vp, ptile, 1, W, n, corr, &pf);
+        for (int k = 0; k < nr; ++k) {
+          if (all_seen) pv_rows<V, KL, 1, false>(st->acc, rows + k, Dv, vp, ptile, 1, W, n, corr, &pf);
+          else pv_rows<V, KL, 1, true>(st->acc, rows + k, Dv, vp, ptile, 1, W, n, corr, &pf);
+        }
       }
     }
   }
@@ -577,6 +596,7 @@ void attend_lanes(const AttentionGroup& a, int64_t key_begin, int64_t key_end, A
         vp = vtile;
       }
 
+      bool all_seen = true;  // every valid row sees every key of the tile
       for (int64_t b = 0; b < nblocks; ++b) {
         const int64_t rb = b * W;
         // live[t]: lanes for which key j0 + t is visible.
@@ -596,6 +616,8 @@ void attend_lanes(const AttentionGroup& a, int64_t key_begin, int64_t key_end, A
         }
         unsigned any = 0;
         for (int t = 0; t < TK; ++t) any |= live[t];
+        for (int t = 0; t < n; ++t)
+          if (live[t] != rows_bits) all_seen = false;
         if (!any) {
           V::store(corr + rb, V::set1(1.0f));
           for (int t = 0; t < n; ++t) V::store(ptile + t * Rp + rb, V::zero());
@@ -629,7 +651,8 @@ void attend_lanes(const AttentionGroup& a, int64_t key_begin, int64_t key_end, A
             x = V::mul(V::set1(a.softcap), tanh_v<V>(V::mul(y, V::set1(1.0f / a.softcap))));
             V::store(ptile + t * Rp + rb, x);
           }
-          nan_lanes |= V::nan_bits(x) & live[t];  // NaN in q or k: the row's result is NaN (ONNX Attention)
+          // NaN or +inf (from q or k): the row's result is NaN, as in ONNX Attention
+          nan_lanes |= ~V::le_bits(x, FLT_MAX) & live[t];
         }
         for (int t = 0; t < n; ++t) {
           live[t] &= ~nan_lanes;
@@ -659,11 +682,15 @@ void attend_lanes(const AttentionGroup& a, int64_t key_begin, int64_t key_end, A
         for (int64_t i = 0; i < valid; ++i) {
           rows[nr++] = h * S + i;
           if (nr == RB) {
-            pv_rows<V, LoadF32<V>, RB>(st->acc, rows, Dv, vp, ptile, Rp, 1, n, corr, &pf);
+            if (all_seen) pv_rows<V, LoadF32<V>, RB, false>(st->acc, rows, Dv, vp, ptile, Rp, 1, n, corr, &pf);
+            else pv_rows<V, LoadF32<V>, RB, true>(st->acc, rows, Dv, vp, ptile, Rp, 1, n, corr, &pf);
             nr = 0;
           }
         }
-      for (int k = 0; k < nr; ++k) pv_rows<V, LoadF32<V>, 1>(st->acc, rows + k, Dv, vp, ptile, Rp, 1, n, corr, &pf);
+      for (int k = 0; k < nr; ++k) {
+        if (all_seen) pv_rows<V, LoadF32<V>, 1, false>(st->acc, rows + k, Dv, vp, ptile, Rp, 1, n, corr, &pf);
+        else pv_rows<V, LoadF32<V>, 1, true>(st->acc, rows + k, Dv, vp, ptile, Rp, 1, n, corr, &pf);
+      }
     }
   }
   for (int64_t h = 0; h < G; ++h)

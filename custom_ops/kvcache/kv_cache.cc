@@ -264,8 +264,9 @@ void KVCache::reorder(const std::vector<int64_t>& indices) {
     scratch.resize(need_bytes);
     for (int64_t s = 0; s < B; ++s) {
       if (src_slot[static_cast<size_t>(s)] < 0) continue;
-      char* dst = scratch.data() + offset[static_cast<size_t>(s)];
       const int64_t n = old_lens[static_cast<size_t>(s)];
+      if (n == 0) continue;  // nothing to snapshot (scratch may be empty: no null memcpy)
+      char* dst = scratch.data() + offset[static_cast<size_t>(s)];
       for (int64_t h = 0; h < g_.kv_num_heads; ++h) {
         const size_t kb = static_cast<size_t>(n * g_.head_dim) * es, vb = static_cast<size_t>(n * g_.v_head_dim) * es;
         std::memcpy(dst, key_block(l, s, h), kb);
@@ -280,7 +281,7 @@ void KVCache::reorder(const std::vector<int64_t>& indices) {
       const int64_t n = old_lens[static_cast<size_t>(s)];
       const char* src = scratch.data() + offset[static_cast<size_t>(s)];
       release_rows_from(l, i, 0);
-      for (int64_t h = 0; h < g_.kv_num_heads; ++h) {
+      for (int64_t h = 0; n > 0 && h < g_.kv_num_heads; ++h) {
         const size_t kb = static_cast<size_t>(n * g_.head_dim) * es, vb = static_cast<size_t>(n * g_.v_head_dim) * es;
         std::memcpy(key_block(l, i, h), src, kb);
         src += kb;

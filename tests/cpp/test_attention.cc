@@ -289,6 +289,88 @@ void nan_in_one_head() {
     }
 }
 
+// NaN/inf semantics (API.md: "a NaN in a key, value, query or mask entry the row can see makes
+// that row NaN ... slots the row cannot see are never read"), for the row path (G = 1) and the
+// lanes path (G = 16: rows >= the vector width, no mask). Regressions from an adversarial review.
+AttentionGroup one_tile_group(const std::vector<float>& q, const std::vector<float>& k, const std::vector<float>& v,
+                              std::vector<float>& out, KVBlock* b, int64_t G, int64_t S, int64_t D, int64_t T) {
+  *b = KVBlock{k.data(), v.data(), 0, T};
+  AttentionGroup a;
+  a.q = q.data(); a.q_head_stride = S * D; a.q_row_stride = D; a.out = out.data(); a.out_head_stride = S * D;
+  a.out_row_stride = D; a.group_size = G; a.num_rows = S; a.num_valid_rows = S; a.q_offset = T - S;
+  a.num_keys = T; a.blocks = b; a.num_blocks = 1; a.head_dim = D; a.v_head_dim = D; a.scale = 0.25f;
+  a.is_causal = true;
+  return a;
+}
+
+// softcap > 0 and a NaN in a visible key: the row is NaN (tanh_v once mapped NaN to +-1).
+void nan_with_softcap() {
+  for (int64_t G : {1, 16}) {
+    const int64_t D = 16, T = 40;
+    std::vector<float> q(static_cast<size_t>(G * D), 0.1f), k(static_cast<size_t>(T * D), 0.2f), v(k.size(), 0.3f),
+        out(q.size());
+    k[static_cast<size_t>(5 * D + 3)] = NAN;  // key 5: visible to the query at position 39
+    KVBlock b;
+    AttentionGroup a = one_tile_group(q, k, v, out, &b, G, 1, D, T);
+    a.softcap = 5.0f;
+    std::vector<float> buf(static_cast<size_t>(attend_group_floats(a)));
+    attend_group(a, buf.data());
+    int finite = 0;
+    for (float x : out) finite += std::isnan(x) ? 0 : 1;
+    if (finite) std::fprintf(stderr, "nan_with_softcap G=%ld: %d of %zu outputs not NaN\n", (long)G, finite, out.size());
+    CHECK(finite == 0);
+  }
+}
+
+// Prefill rows: a NaN in the value of key 31, which only the last row (position 31) can see
+// (causal). Row 0 (position 30) stays finite (P.V once multiplied p = 0 by that NaN value).
+void unseen_nan_value_not_read() {
+  for (int64_t G : {1, 16}) {
+    const int64_t D = 16, S = 2, T = 32;
+    std::vector<float> q(static_cast<size_t>(G * S * D), 0.1f), k(static_cast<size_t>(T * D), 0.2f),
+        v(k.size(), 0.3f), out(static_cast<size_t>(G * S * D));
+    v[static_cast<size_t>(31 * D + 2)] = NAN;
+    KVBlock b;
+    AttentionGroup a = one_tile_group(q, k, v, out, &b, G, S, D, T);
+    std::vector<float> buf(static_cast<size_t>(attend_group_floats(a)));
+    attend_group(a, buf.data());
+    int bad = 0;
+    for (int64_t h = 0; h < G; ++h)
+      for (int64_t d = 0; d < D; ++d) {
+        const float x = out[static_cast<size_t>((h * S + 0) * D + d)];  // row 0 of head h
+        bad += std::fabs(x - 0.3f) <= 1e-6f ? 0 : 1;
+      }
+    if (bad) std::fprintf(stderr, "unseen_nan_value_not_read G=%ld: %d outputs of row 0 wrong\n", (long)G, bad);
+    CHECK(bad == 0);
+  }
+}
+
+// One or two visible keys with a +inf score (inf in K): softmax is inf - inf = NaN (ONNX
+// Attention), at every level (the lanes path once gave finite values, the scalar level once
+// returned the V row of a single +inf key).
+void inf_scores_are_nan() {
+  for (int inf_keys : {1, 2})
+  for (int64_t G : {1, 16}) {
+    const int64_t D = 16, T = 40;
+    std::vector<float> q(static_cast<size_t>(G * D), 0.1f), k(static_cast<size_t>(T * D), 0.2f), v(k.size()),
+        out(q.size());
+    for (int64_t j = 0; j < T; ++j)
+      for (int64_t d = 0; d < D; ++d) v[static_cast<size_t>(j * D + d)] = static_cast<float>(j);
+    for (int64_t d = 0; d < D; ++d) {
+      k[static_cast<size_t>(3 * D + d)] = INFINITY;
+      if (inf_keys == 2) k[static_cast<size_t>(23 * D + d)] = INFINITY;
+    }
+    KVBlock b;
+    AttentionGroup a = one_tile_group(q, k, v, out, &b, G, 1, D, T);
+    std::vector<float> buf(static_cast<size_t>(attend_group_floats(a)));
+    attend_group(a, buf.data());
+    int finite = 0;
+    for (float x : out) finite += std::isnan(x) ? 0 : 1;
+    if (finite) std::fprintf(stderr, "inf_scores_are_nan G=%ld: %d outputs not NaN (out[0]=%g)\n", (long)G, finite, out[0]);
+    CHECK(finite == 0);
+  }
+}
+
 }  // namespace
 
 void run_all() {
@@ -359,6 +441,9 @@ void run_all() {
   block_and_lane_paths();
   poisoned_tail_unread();
   nan_in_one_head();
+  nan_with_softcap();
+  unseen_nan_value_not_read();
+  inf_scores_are_nan();
 }
 
 int main() {

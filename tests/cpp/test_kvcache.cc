@@ -351,6 +351,15 @@ void test_method_during_run_message() {
   EXPECT_THROW(c.begin_layer_append(1, 1, {1, 1}), std::runtime_error, "KVCache method");
 }
 
+// Adversarial review: reorder of sequences that are all empty snapshots 0 bytes into an empty
+// std::vector, then memcpy(scratch.data() == nullptr, src, 0): undefined behaviour that the
+// ASan+UBSan build (-fno-sanitize-recover=undefined) turns into an abort (kv_cache.cc, reorder).
+void test_reorder_empty_sequences() {
+  KVCache c(geom(1, 2, 1, 4, 16));
+  c.reorder({1, 0});
+  check_content(c, {0, 0});
+}
+
 }  // namespace
 
 int main() {
@@ -363,5 +372,6 @@ int main() {
   test_thread_ownership();
   test_short_model_is_reported();
   test_method_during_run_message();
+  test_reorder_empty_sequences();  // last: under UBSan a failure aborts the process
   TEST_MAIN_END();
 }
