@@ -69,6 +69,9 @@ KVCache::KVCache(const CacheGeometry& g) : g_(g) {
     throw std::runtime_error("KVCache: could not reserve " + std::to_string(map_bytes_) + " bytes of address space");
   map_ = static_cast<char*>(p);
   base_ = huge_ ? reinterpret_cast<char*>(round_up(reinterpret_cast<uintptr_t>(map_), kHugePage)) : map_;
+  // No huge page at fault time (THP "always" would commit 2 MiB on a block's first row): only
+  // promote_written() turns fully written regions into huge pages. Best effort.
+  madvise(map_, map_bytes_, MADV_NOHUGEPAGE);
   lens_.assign(static_cast<size_t>(g.batch_size), 0);
   high_water_.assign(static_cast<size_t>(g.num_layers * g.batch_size), 0);
 }
@@ -112,6 +115,11 @@ void KVCache::release_rows_from(int64_t layer, int64_t b, int64_t first_row) {
     const size_t v_from = static_cast<size_t>(first_row * g_.v_head_dim) * es;
     std::memset(k + k_from, 0, std::min(k_keep, k_used) - k_from);
     std::memset(v + v_from, 0, std::min(v_keep, v_used) - v_from);
+    if (huge_) {  // regions no longer fully written go back to NOHUGEPAGE (no 2 MiB commit on refault)
+      const size_t k_region = k_from / kHugePage * kHugePage, v_region = v_from / kHugePage * kHugePage;
+      madvise(k + k_region, key_block_bytes_ - k_region, MADV_NOHUGEPAGE);
+      madvise(v + v_region, value_block_bytes_ - v_region, MADV_NOHUGEPAGE);
+    }
     if (key_block_bytes_ > k_keep) madvise(k + k_keep, key_block_bytes_ - k_keep, MADV_DONTNEED);
     if (value_block_bytes_ > v_keep) madvise(v + v_keep, value_block_bytes_ - v_keep, MADV_DONTNEED);
   }
@@ -127,7 +135,10 @@ void KVCache::promote_written(int64_t layer, int64_t b, int64_t old_rows, int64_
     const uintptr_t end = blk + written_now / kHugePage * kHugePage;
     // Best effort: an older kernel (EINVAL) or no free huge page (EAGAIN/ENOMEM) keeps 4 KiB
     // pages, which only costs read speed.
-    for (uintptr_t a = first; a < end; a += kHugePage) madvise(reinterpret_cast<void*>(a), kHugePage, MADV_COLLAPSE);
+    for (uintptr_t a = first; a < end; a += kHugePage) {
+      madvise(reinterpret_cast<void*>(a), kHugePage, MADV_HUGEPAGE);  // lift the arena's NOHUGEPAGE
+      madvise(reinterpret_cast<void*>(a), kHugePage, MADV_COLLAPSE);
+    }
   };
   for (int64_t h = 0; h < g_.kv_num_heads; ++h) {
     collapse(key_block(layer, b, h), static_cast<size_t>(old_rows * g_.head_dim) * es,

@@ -118,3 +118,60 @@ def test_truncate_into_collapsed_region_then_append():
             assert_bit_equal(f.export(0)[1], ev)
         finally:
             f.close()
+
+
+def _mappings():
+    """(start, end, VmFlags) of every mapping of this process, from /proc/self/smaps."""
+    out, cur = [], None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            a, b = head.split("-")
+            cur = [int(a, 16), int(b, 16), ""]
+            out.append(cur)
+        elif head == "VmFlags:" and cur is not None:
+            cur[2] = line
+    return out
+
+
+def test_arena_opts_out_of_fault_time_huge_pages():
+    """With THP "always" the kernel would back a block's first row with a 2 MiB page; the
+    arena marks its reservation MADV_NOHUGEPAGE ("nh") so committed_bytes stays what the rows
+    touch, and only fully written regions are collapsed. Checked on the VMA flags, which holds
+    whatever the machine's THP setting is."""
+    rng = np.random.default_rng(4)
+    k, v = _past(rng, 1, 2, 3, 128)
+
+    def nh_bytes() -> int:
+        return sum(end - start for start, end, flags in _mappings() if " nh" in flags)
+
+    before = nh_bytes()
+    with KVCache.from_past(k, v, max_sequence_length=8192) as c:
+        reserved = c.stats()["reserved_bytes"]
+        assert nh_bytes() - before >= reserved, (nh_bytes(), before, reserved)
+
+
+def test_resident_memory_matches_committed_bytes():
+    """Anonymous memory the process gains equals committed_bytes (within 512 KiB of unrelated
+    allocations), also after a truncate back into a collapsed region and for a fork."""
+    rng = np.random.default_rng(5)
+    B, H, T, D, cap = 1, 4, 4096 + 64, 128, 8192
+    k, v = _past(rng, B, H, T, D)
+
+    def anon() -> int:
+        for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+            if line.startswith("Anonymous:"):
+                return int(line.split()[1]) * 1024
+        return 0
+
+    base = anon()
+    with KVCache.from_past(k, v, max_sequence_length=cap) as c:
+        assert abs((anon() - base) - c.stats()["committed_bytes"]) <= 512 << 10
+        c.truncate([7])
+        assert abs((anon() - base) - c.stats()["committed_bytes"]) <= 512 << 10
+        f = c.fork()
+        try:
+            both = c.stats()["committed_bytes"] + f.stats()["committed_bytes"]
+            assert abs((anon() - base) - both) <= 512 << 10
+        finally:
+            f.close()
