@@ -53,6 +53,19 @@ inline void visible_range(const AttentionGroup& a, int64_t i, int64_t* lo, int64
   *lo = a.local_window_size > 0 && pos - a.local_window_size + 1 > 0 ? pos - a.local_window_size + 1 : 0;
 }
 
+/// Union of the visible ranges of rows 0..num_valid_rows-1: [*lo, *hi) (empty: lo >= hi).
+inline void visible_union(const AttentionGroup& a, int64_t* lo, int64_t* hi) {
+  const int64_t valid = a.num_valid_rows < a.num_rows ? a.num_valid_rows : a.num_rows;
+  *lo = a.num_keys;
+  *hi = 0;
+  for (int64_t i = 0; i < valid; ++i) {
+    int64_t l, h;
+    visible_range(a, i, &l, &h);
+    *lo = l < *lo ? l : *lo;
+    *hi = h > *hi ? h : *hi;
+  }
+}
+
 }  // namespace detail
 }  // namespace kernels
 }  // namespace olep

@@ -240,6 +240,20 @@ void block_and_lane_paths() {
   run_case(pre, seed++, 2e-5);
 }
 
+// One head group (G query heads, S rows at the end of T keys, causal) over one block of
+// block_rows >= T rows of k/v (rows past T are capacity the kernel must not read).
+AttentionGroup one_tile_group(const std::vector<float>& q, const std::vector<float>& k, const std::vector<float>& v,
+                              std::vector<float>& out, KVBlock* b, int64_t G, int64_t S, int64_t D, int64_t T,
+                              int64_t block_rows = -1) {
+  *b = KVBlock{k.data(), v.data(), 0, block_rows < 0 ? T : block_rows};
+  AttentionGroup a;
+  a.q = q.data(); a.q_head_stride = S * D; a.q_row_stride = D; a.out = out.data(); a.out_head_stride = S * D;
+  a.out_row_stride = D; a.group_size = G; a.num_rows = S; a.num_valid_rows = S; a.q_offset = T - S;
+  a.num_keys = T; a.blocks = b; a.num_blocks = 1; a.head_dim = D; a.v_head_dim = D; a.scale = 0.25f;
+  a.is_causal = true;
+  return a;
+}
+
 // Rows of a block past num_keys (cache capacity beyond the valid length) are never read: NaN
 // there must not reach the output, for every path (1 row, 4-row blocks, lanes).
 void poisoned_tail_unread() {
@@ -255,12 +269,8 @@ void poisoned_tail_unread() {
         k[static_cast<size_t>(i)] = nd(rng);
         v[static_cast<size_t>(i)] = nd(rng);
       }
-      KVBlock b{k.data(), v.data(), 0, cap};
-      AttentionGroup a;
-      a.q = q.data(); a.q_head_stride = D; a.q_row_stride = D; a.out = out.data(); a.out_head_stride = D;
-      a.out_row_stride = D; a.group_size = G; a.num_rows = 1; a.num_valid_rows = 1; a.q_offset = T - 1;
-      a.num_keys = T; a.blocks = &b; a.num_blocks = 1; a.head_dim = D; a.v_head_dim = D; a.scale = 0.2f;
-      a.is_causal = true;
+      KVBlock b;
+      AttentionGroup a = one_tile_group(q, k, v, out, &b, G, 1, D, T, cap);
       std::vector<float> buf(static_cast<size_t>(attend_group_floats(a)));
       attend_group(a, buf.data());
       for (float x : out) CHECK(std::isfinite(x));
@@ -273,12 +283,8 @@ void nan_in_one_head() {
   std::vector<float> q(static_cast<size_t>(G * D), 0.1f), k(static_cast<size_t>(T * D), 0.2f), v(k.size(), 0.3f),
       out(q.size());
   q[static_cast<size_t>(5 * D + 2)] = NAN;
-  KVBlock b{k.data(), v.data(), 0, T};
-  AttentionGroup a;
-  a.q = q.data(); a.q_head_stride = D; a.q_row_stride = D; a.out = out.data(); a.out_head_stride = D;
-  a.out_row_stride = D; a.group_size = G; a.num_rows = 1; a.num_valid_rows = 1; a.q_offset = T - 1;
-  a.num_keys = T; a.blocks = &b; a.num_blocks = 1; a.head_dim = D; a.v_head_dim = D; a.scale = 0.25f;
-  a.is_causal = true;
+  KVBlock b;
+  AttentionGroup a = one_tile_group(q, k, v, out, &b, G, 1, D, T);
   std::vector<float> buf(static_cast<size_t>(attend_group_floats(a)));
   attend_group(a, buf.data());
   for (int64_t h = 0; h < G; ++h)
@@ -292,17 +298,6 @@ void nan_in_one_head() {
 // NaN/inf semantics (API.md: "a NaN in a key, value, query or mask entry the row can see makes
 // that row NaN ... slots the row cannot see are never read"), for the row path (G = 1) and the
 // lanes path (G = 16: rows >= the vector width, no mask). Regressions from an adversarial review.
-AttentionGroup one_tile_group(const std::vector<float>& q, const std::vector<float>& k, const std::vector<float>& v,
-                              std::vector<float>& out, KVBlock* b, int64_t G, int64_t S, int64_t D, int64_t T) {
-  *b = KVBlock{k.data(), v.data(), 0, T};
-  AttentionGroup a;
-  a.q = q.data(); a.q_head_stride = S * D; a.q_row_stride = D; a.out = out.data(); a.out_head_stride = S * D;
-  a.out_row_stride = D; a.group_size = G; a.num_rows = S; a.num_valid_rows = S; a.q_offset = T - S;
-  a.num_keys = T; a.blocks = b; a.num_blocks = 1; a.head_dim = D; a.v_head_dim = D; a.scale = 0.25f;
-  a.is_causal = true;
-  return a;
-}
-
 // softcap > 0 and a NaN in a visible key: the row is NaN (tanh_v once mapped NaN to +-1).
 void nan_with_softcap() {
   for (int64_t G : {1, 16}) {
