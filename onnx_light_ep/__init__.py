@@ -78,15 +78,25 @@ else:
 
     __version__ = "0.1.0"
 
-    def convert(input_path, output_path, **options):
-        """Rewrite an exported decoder model to use a ``KVCache``; see ``onnx_light_ep.rewrite.convert``.
+    def convert(input_path, output_path, *, keep_present=(), sliding_window=None, cache_input="kv_cache",
+                check=True):
+        """Rewrite an exported decoder model to use a ``KVCache`` (``onnx_light_ep.rewrite.convert``,
+        imported on first use so that ``import onnx_light_ep`` does not load onnx).
+
+        Args: input_path / output_path (external data goes to ``<output_path>.data``);
+        keep_present: present output names to keep (produced by ``CacheExport``);
+        sliding_window: window for attentions whose graph carries none (None = none);
+        cache_input: name of the int64 ``[1]`` cache-handle input to add;
+        check: run ``onnx.checker`` on the result.
 
         Returns an ``onnx_light_ep.rewrite.ConvertReport``; raises
-        ``onnx_light_ep.rewrite.ConvertError`` when nothing can be converted.
+        ``onnx_light_ep.rewrite.ConvertError`` when nothing can be converted or an option is
+        bad, ``FileNotFoundError`` when ``input_path`` does not exist.
         """
         from .rewrite import convert as _convert
 
-        return _convert(input_path, output_path, **options)
+        return _convert(input_path, output_path, keep_present=keep_present, sliding_window=sliding_window,
+                        cache_input=cache_input, check=check)
 
     __all__ = [
         "DOMAIN",

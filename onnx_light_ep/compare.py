@@ -196,6 +196,9 @@ def compare(original, converted=None, *, prompt: Optional[str] = None,
     if batch_size < 1:
         raise ValueError(f"compare: batch_size; expected >= 1, got {batch_size}")
     original = os.fspath(original)
+    for what, path in (("original", original), ("converted", converted)):
+        if path is not None and not os.path.isfile(os.fspath(path)):
+            raise FileNotFoundError(f"compare: {what}; expected an ONNX file, got {os.fspath(path)!r} (not found)")
     tmp = None
     if converted is None:
         tmp = tempfile.TemporaryDirectory(prefix="onnx_light_compare_")

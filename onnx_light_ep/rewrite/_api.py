@@ -297,5 +297,8 @@ def _save(model: onnx.ModelProto, dst: str, base_dir: str, original: onnx.ModelP
             if len(t.raw_data) >= 1024:
                 set_external_data(t, location=data_name)
         onnx.save_model(model, dst)
+        # onnx creates the data file owner-only (0600); give it the model file's permissions.
+        if os.path.exists(data_path):
+            os.chmod(data_path, os.stat(dst).st_mode & 0o777)
     else:
         onnx.save_model(model, dst)

@@ -109,3 +109,14 @@ def test_smollm2_france_same_greedy_ids(tmp_path):
     result = compare(os.path.join(folder, "model.onnx"), dst, prompt_ids=rows, batch_size=2, steps=16)
     assert all(s.agree for s in result.steps) and result.ok, result.summary()
     assert "Paris" in result.texts[0]
+
+
+@pytest.mark.parametrize("which", ["original", "converted"])
+def test_compare_missing_file_names_the_argument(tmp_path, which):
+    """compare() names its own argument for a missing file (not an inner convert step)."""
+    missing = str(tmp_path / "nothere.onnx")
+    existing = str(tmp_path / "exists.onnx")
+    open(existing, "wb").close()
+    args = (missing, None) if which == "original" else (existing, missing)
+    with pytest.raises(FileNotFoundError, match=f"compare: {which}; expected an ONNX file"):
+        compare(*args)

@@ -125,6 +125,8 @@ def test_external_data_in_and_out(tmp_path):
     dst = str(tmp_path / "out" / "conv.onnx")
     report = convert(src, dst)
     assert os.path.isfile(dst + ".data")
+    # the data file gets the model file's permissions (onnx writes it owner-only)
+    assert os.stat(dst + ".data").st_mode & 0o777 == os.stat(dst).st_mode & 0o777
     assert [H.file_digest(src), H.file_digest(tmp_path / "ext.weights")] == digests
     H.greedy_steps(src, dst, report, [PROMPT], 4, padding="right")
     # an output whose '<output>.data' would overwrite the input's external data is refused
