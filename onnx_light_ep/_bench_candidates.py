@@ -148,17 +148,18 @@ def configure_sessions(allow_spinning: bool) -> None:
     _SESSION_SETTINGS["allow_spinning"] = bool(allow_spinning)
 
 
-def session_options(threads: int, profile_dir: Optional[str] = None):
+def session_options(threads: int, profile_dir: Optional[str] = None, allow_spinning: Optional[bool] = None):
     """Sequential execution, ``intra_op_num_threads = threads``, spinning per
-    :func:`configure_sessions`, warnings off, profiling into ``profile_dir`` if given."""
+    :func:`configure_sessions` (or ``allow_spinning`` when given), warnings off, profiling into
+    ``profile_dir`` if given."""
     ort = _import_ort()
     so = ort.SessionOptions()
     so.intra_op_num_threads = int(threads)
     so.inter_op_num_threads = 1
     so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     so.log_severity_level = 3
-    so.add_session_config_entry("session.intra_op.allow_spinning",
-                                "1" if _SESSION_SETTINGS["allow_spinning"] else "0")
+    spin = _SESSION_SETTINGS["allow_spinning"] if allow_spinning is None else allow_spinning
+    so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
     if profile_dir is not None:
         so.enable_profiling = True
         so.profile_file_prefix = os.path.join(profile_dir, "bench")
