@@ -115,9 +115,13 @@ struct TilePrefetch {
 // RB output rows x NU vectors of Dv: o = o * c[row] + sum_t p(t, row) * v[t], with
 // p(t, row) = ptile[t * p_tstride + row * p_rstride]. Each V vector is loaded (and
 // converted) once for the RB rows.
-// kSkipZero: skip (row, key) pairs whose probability is 0, for tiles holding keys some row
-// cannot see (masked, causal future of a prefill row, outside the window): their V rows must
-// not reach that row (0 * NaN is NaN). Tiles every row sees in full take the plain loop.
+// Probabilities of keys a row cannot see are stored as -0.0f (kUnseen); a visible key's
+// probability is >= +0.0f (exp may underflow to +0). kSkipZero: skip the unseen (row, key)
+// pairs, for tiles holding keys some row cannot see (masked, causal future of a prefill row,
+// outside the window): their V rows must not reach that row (0 * NaN is NaN), while a visible
+// key whose probability underflowed still does, as in ONNX. Tiles every row sees in full take
+// the plain loop.
+constexpr float kUnseen = -0.0f;
 template <class V, class L, int RB, int NU, bool kSkipZero>
 OLEP_HOT void pv_block(float* const* acc, const int64_t* rows, const typename L::elem* v, int64_t v_stride,
                      const float* ptile, int64_t p_tstride, int64_t p_rstride, int64_t n, const float* corr,
@@ -141,7 +145,7 @@ OLEP_HOT void pv_block(float* const* acc, const int64_t* rows, const typename L:
 #pragma GCC unroll 4
     for (int rr = 0; rr < RB; ++rr) {
       const float p = pr[rr][t * p_tstride];
-      if (kSkipZero && p == 0.0f) continue;
+      if (kSkipZero && p == 0.0f && std::signbit(p)) continue;  // kUnseen
       const vf pb = V::set1(p);
 #pragma GCC unroll 8
       for (int u = 0; u < NU; ++u) o[rr][u] = V::fma(pb, vv[u], o[rr][u]);
@@ -434,7 +438,7 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
         if (live != tile_bits) all_seen = false;
         if (!live) {
           corr[r] = 1.0f;
-          std::memset(prow, 0, sizeof(float) * W);
+          std::fill(prow, prow + W, kUnseen);
           continue;
         }
         vf s = V::load(prow);
@@ -448,21 +452,23 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
         if (~V::le_bits(s, FLT_MAX) & live) {
           st->l[r] = NAN;
           corr[r] = 1.0f;
-          std::memset(prow, 0, sizeof(float) * W);
+          std::fill(prow, prow + W, kUnseen);
           continue;
         }
+        live &= ~V::le_bits(s, -INFINITY);  // a -inf score contributes nothing (scalar level too)
+        if (live != tile_bits) all_seen = false;
         s = V::select(live, s, V::set1(-INFINITY));
         const float tmax = V::reduce_max(s);
         if (!(tmax > -INFINITY)) {
           corr[r] = 1.0f;
-          std::memset(prow, 0, sizeof(float) * W);
+          std::fill(prow, prow + W, kUnseen);
           continue;
         }
         const float m_old = st->m[r];
         const float m_new = std::max(m_old, tmax);
         const float c = std::exp(m_old - m_new);
         vf p = V::exp(V::sub(s, V::set1(m_new)));
-        p = V::select(live, p, V::zero());
+        p = V::select(live, p, V::set1(kUnseen));
         st->l[r] = st->l[r] * c + V::reduce_add(p);
         st->m[r] = m_new;
         corr[r] = c;
@@ -618,7 +624,7 @@ void attend_lanes(const AttentionGroup& a, int64_t key_begin, int64_t key_end, A
         if (live[t] != rows_bits) all_seen = false;
       if (!any) {
         V::store(corr + rb, V::set1(1.0f));
-        for (int t = 0; t < n; ++t) V::store(ptile + t * Rp + rb, V::zero());
+        for (int t = 0; t < n; ++t) V::store(ptile + t * Rp + rb, V::set1(kUnseen));
         continue;
       }
 
@@ -653,8 +659,10 @@ void attend_lanes(const AttentionGroup& a, int64_t key_begin, int64_t key_end, A
         nan_lanes |= ~V::le_bits(x, FLT_MAX) & live[t];
       }
       for (int t = 0; t < n; ++t) {
-        live[t] &= ~nan_lanes;
-        mt = V::max(mt, V::select(live[t], V::load(ptile + t * Rp + rb), neg_inf));
+        const vf x = V::load(ptile + t * Rp + rb);
+        live[t] &= ~nan_lanes & ~V::le_bits(x, -INFINITY);  // a -inf score contributes nothing
+        if (live[t] != rows_bits) all_seen = false;
+        mt = V::max(mt, V::select(live[t], x, neg_inf));
       }
       const vf mo = V::load(mloc + rb);
       const vf mn = V::max(mo, mt);
@@ -662,7 +670,7 @@ void attend_lanes(const AttentionGroup& a, int64_t key_begin, int64_t key_end, A
       const vf c = V::exp(V::sub(mo, mref));
       vf lsum = V::zero();
       for (int t = 0; t < n; ++t) {
-        const vf p = V::select(live[t], V::exp(V::sub(V::load(ptile + t * Rp + rb), mref)), V::zero());
+        const vf p = V::select(live[t], V::exp(V::sub(V::load(ptile + t * Rp + rb), mref)), V::set1(kUnseen));
         lsum = V::add(lsum, p);
         V::store(ptile + t * Rp + rb, p);
       }

@@ -366,6 +366,71 @@ void inf_scores_are_nan() {
   }
 }
 
+// Every ISA level against the scalar level on random groups with non-finite inputs: a NaN in
+// one V entry (seen by some rows, not by others: prefill, window, mask), a +-inf in one K
+// entry, huge q (probabilities that underflow), split key ranges merged afterwards. NaN must
+// land on exactly the same outputs; finite outputs agree to float tolerance.
+void nonfinite_matches_scalar() {
+  if (active_isa() == Isa::kScalar) return;
+  const Isa level = active_isa();
+  std::mt19937 rng(77);
+  auto ri = [&](int lo, int hi) { return static_cast<int64_t>(std::uniform_int_distribution<int>(lo, hi)(rng)); };
+  std::normal_distribution<float> nd;
+  for (int it = 0; it < 60; ++it) {
+    const int special = static_cast<int>(it % 4);
+    const bool from_empty = special == 2 && it % 8 == 2;  // prefill from position 0: row 0 sees key 0 only
+    const int64_t G = it % 3 == 0 ? ri(16, 20) : ri(1, 5), S = from_empty ? ri(2, 6) : ri(1, 6), D = 16 * ri(1, 2),
+                  T = from_empty ? S : ri(static_cast<int>(S), 70);
+    std::vector<float> q(static_cast<size_t>(G * S * D)), k(static_cast<size_t>(T * D)), v(k.size());
+    for (auto* x : {&q, &k, &v})
+      for (auto& e : *x) e = nd(rng);
+    int64_t split = ri(1, static_cast<int>(T));
+    if (special == 1) {  // a NaN value; with huge q its key's probability may underflow to 0
+      v[static_cast<size_t>(ri(0, static_cast<int>(v.size()) - 1))] = NAN;
+      if (it % 8 == 1)
+        for (auto& e : q) e *= 40.0f;
+    }
+    if (special == 2) {  // +-inf in key 0; a first range holding key 0 alone
+      k[static_cast<size_t>(ri(0, static_cast<int>(D) - 1))] = ri(0, 1) ? INFINITY : -INFINITY;
+      if (from_empty) split = 1;
+    }
+    if (special == 3)
+      for (auto& e : q) e *= 40.0f;  // exp underflows for most keys
+    std::vector<uint8_t> mb(static_cast<size_t>(G * S * T));
+    for (auto& e : mb) e = ri(0, 3) != 0;
+    KVBlock b{k.data(), v.data(), 0, T};
+    AttentionGroup a;
+    a.q = q.data(); a.q_head_stride = S * D; a.q_row_stride = D; a.out_head_stride = S * D; a.out_row_stride = D;
+    a.group_size = G; a.num_rows = S; a.num_valid_rows = S; a.q_offset = T - S; a.num_keys = T; a.blocks = &b;
+    a.num_blocks = 1; a.head_dim = D; a.v_head_dim = D; a.scale = 0.25f; a.is_causal = it % 2 == 0;
+    a.local_window_size = it % 5 == 0 ? ri(1, 20) : -1;
+    if (it % 7 == 0) {
+      a.mask.kind = MaskKind::kBool; a.mask.data = mb.data(); a.mask.head_stride = S * T; a.mask.row_stride = T;
+      a.mask.key_stride = 1;
+    }
+    std::vector<float> out[2];
+    for (int pass = 0; pass < 2; ++pass) {
+      set_isa(pass == 0 ? Isa::kScalar : level);
+      out[pass].assign(static_cast<size_t>(G * S * D), 0.0f);
+      a.out = out[pass].data();
+      std::vector<float> s0(static_cast<size_t>(state_floats(a))), s1(s0.size());
+      std::vector<float> scratch(static_cast<size_t>(scratch_floats(a)));
+      AttentionState st0, st1;
+      init_state(a, s0.data(), &st0);
+      init_state(a, s1.data(), &st1);
+      attend_range(a, 0, split, &st0, scratch.data());
+      attend_range(a, split, T, &st1, scratch.data());
+      merge_states(a, &st0, st1);
+      finalize(a, st0);
+    }
+    set_isa(level);
+    for (size_t i = 0; i < out[0].size(); ++i) {
+      CHECK(std::isnan(out[0][i]) == std::isnan(out[1][i]));
+      if (!std::isnan(out[0][i])) CHECK_NEAR(out[1][i], out[0][i], 1e-4 * (1.0 + std::fabs(out[0][i])));
+    }
+  }
+}
+
 }  // namespace
 
 void run_all() {
@@ -439,6 +504,7 @@ void run_all() {
   nan_with_softcap();
   unseen_nan_value_not_read();
   inf_scores_are_nan();
+  nonfinite_matches_scalar();
 }
 
 int main() {
