@@ -4,9 +4,12 @@
 #pragma once
 
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
+#include <random>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 inline int& failures() {
   static int n = 0;
@@ -55,3 +58,12 @@ inline int& failures() {
     else std::printf("all checks passed\n");                      \
     return failures() ? 1 : 0;                                    \
   } while (0)
+
+// n standard-normal floats from a fixed seed (test inputs).
+inline std::vector<float> randn(size_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd;
+  std::vector<float> v(n);
+  for (auto& x : v) x = nd(rng);
+  return v;
+}

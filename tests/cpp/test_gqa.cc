@@ -25,14 +25,6 @@ Tensor tensor(ElemType t, const void* data, std::vector<int64_t> shape) {
   return x;
 }
 
-std::vector<float> randn(size_t n, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> nd;
-  std::vector<float> v(n);
-  for (auto& x : v) x = nd(rng);
-  return v;
-}
-
 struct Case {
   int64_t B = 2, S = 5, Hq = 4, Hkv = 2, D = 16, window = -1;
   float softcap = 0.0f;

@@ -30,14 +30,6 @@ Tensor i64(const int64_t* v, std::vector<int64_t> shape) {
   return t;
 }
 
-std::vector<float> randn(size_t n, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> nd;
-  std::vector<float> v(n);
-  for (auto& x : v) x = nd(rng);
-  return v;
-}
-
 // BNSH [B, H, S, D] -> [B, S, H*D]
 std::vector<float> to_bsnh(const std::vector<float>& x, int64_t B, int64_t H, int64_t S, int64_t D) {
   std::vector<float> y(x.size());
