@@ -62,6 +62,9 @@ struct Avx2 {
   static unsigned le_bits(vf v, float x) {
     return static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_set1_ps(x), _CMP_LE_OQ)));
   }
+  static unsigned gt_bits(vf v, float x) {
+    return static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_set1_ps(x), _CMP_GT_OQ)));
+  }
   static unsigned nan_bits(vf v) { return static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q))); }
   static vf select(unsigned bits, vf if_set, vf otherwise) {
     const __m256i lanes = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);

@@ -50,6 +50,7 @@ struct Avx512 {
     return bits;
   }
   static unsigned le_bits(vf v, float x) { return _mm512_cmp_ps_mask(v, _mm512_set1_ps(x), _CMP_LE_OQ); }
+  static unsigned gt_bits(vf v, float x) { return _mm512_cmp_ps_mask(v, _mm512_set1_ps(x), _CMP_GT_OQ); }
   static unsigned nan_bits(vf v) { return _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q); }
   static vf select(unsigned bits, vf if_set, vf otherwise) {
     return _mm512_mask_blend_ps(static_cast<__mmask16>(bits), otherwise, if_set);

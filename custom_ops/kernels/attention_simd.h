@@ -122,6 +122,9 @@ struct TilePrefetch {
 // key whose probability underflowed still does, as in ONNX. Tiles every row sees in full take
 // the plain loop.
 constexpr float kUnseen = -0.0f;
+// How far (natural-log units) a score may exceed a row's reference m before the reference
+// moves (row path): probabilities stay <= e^8 ~ 3e3, far from float overflow.
+constexpr float kLazyRescale = 8.0f;
 template <class V, class L, int RB, int NU, bool kSkipZero>
 OLEP_HOT void pv_block(float* const* acc, const int64_t* rows, const typename L::elem* v, int64_t v_stride,
                      const float* ptile, int64_t p_tstride, int64_t p_rstride, int64_t n, const float* corr,
@@ -307,6 +310,7 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
   float* vtile = ktile + W * D;     // [W, Dv]
   float* ptile = vtile + W * Dv;    // [R, W]
   float* corr = ptile + R * W;      // [R]
+  float* lsum = corr + R;           // [R, W] lane-wise sums of p, folded into st->l at the end
 
   const bool capped = a.softcap > 0.0f;
   const float qscale = capped ? 1.0f : a.scale;
@@ -333,6 +337,7 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
   const float lowest = detail::lowest_of(a.mask.dtype);
   const size_t es = dtype_size(a.dtype);
   const MaskView& mk = a.mask;
+  std::fill(lsum, lsum + R * W, 0.0f);
   TilePrefetch pf;
   const int64_t row_count = G * valid;
   // pf.step() calls per tile: score loops, then P.V loops (one per key per row pair and chunk)
@@ -457,20 +462,28 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
         }
         live &= ~V::le_bits(s, -INFINITY);  // a -inf score contributes nothing (scalar level too)
         if (live != tile_bits) all_seen = false;
-        s = V::select(live, s, V::set1(-INFINITY));
-        const float tmax = V::reduce_max(s);
-        if (!(tmax > -INFINITY)) {
+        if (!live) {
           corr[r] = 1.0f;
           std::fill(prow, prow + W, kUnseen);
           continue;
         }
-        const float m_old = st->m[r];
-        const float m_new = std::max(m_old, tmax);
-        const float c = std::exp(m_old - m_new);
-        vf p = V::exp(V::sub(s, V::set1(m_new)));
-        p = V::select(live, p, V::set1(kUnseen));
-        st->l[r] = st->l[r] * c + V::reduce_add(p);
-        st->m[r] = m_new;
+        // Lazy rescale: m[r] is a reference at most kLazyRescale below the row's maximum, not
+        // the maximum itself; it moves (and acc, l are rescaled) only when a visible score
+        // exceeds it by more than that, so p <= e^kLazyRescale and most tiles need no
+        // horizontal max, no scalar exp and no rescale of the accumulators. Sums stay lane-wise
+        // (lsum) until the end of the call. Same result up to rounding: out = acc / l with acc
+        // and l relative to the same reference.
+        float m_ref = st->m[r];
+        float c = 1.0f;
+        if (V::gt_bits(s, m_ref + kLazyRescale) & live) {
+          const float m_new = std::max(m_ref, V::reduce_max(V::select(live, s, V::set1(-INFINITY))));
+          c = std::exp(m_ref - m_new);
+          st->l[r] *= c;
+          V::store(lsum + r * W, V::mul(V::load(lsum + r * W), V::set1(c)));
+          st->m[r] = m_ref = m_new;
+        }
+        const vf p = V::select(live, V::exp(V::sub(s, V::set1(m_ref))), V::set1(kUnseen));
+        V::store(lsum + r * W, V::add(V::load(lsum + r * W), p));
         corr[r] = c;
         V::store(prow, p);
         any = true;
@@ -500,6 +513,11 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
       }
     }
   }
+  for (int64_t i = 0; i < valid; ++i)
+    for (int64_t h = 0; h < G; ++h) {
+      const int64_t r = h * S + i;
+      st->l[r] += V::reduce_add(V::load(lsum + r * W));
+    }
 }
 
 // ---------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ struct Case {
   int mask = 0;  // 0 none, 1 bool, 2 additive
   DType dtype = DType::kFloat32;
   int blocks = 1;  // split the keys into this many blocks
+  float k_ramp = 0.0f;  // key j scaled by 1 + k_ramp * j: row maxima that keep rising (rescales)
 };
 
 // Output row (h, i) of the reference, all Dv values (zeros where nothing is visible).
@@ -70,8 +71,10 @@ void run_case(const Case& c, uint32_t seed, double tol) {
   const int64_t T = c.P + c.S;
   std::vector<float> q(static_cast<size_t>(c.G * c.S * c.D)), k(static_cast<size_t>(T * c.D)), v(static_cast<size_t>(T * c.Dv));
   for (auto* vec : {&q, &k, &v})
-    for (auto& x : *vec) {
+    for (size_t e = 0; e < vec->size(); ++e) {
+      float& x = (*vec)[e];
       x = nd(rng);
+      if (vec == &k) x *= 1.0f + c.k_ramp * static_cast<float>(e / static_cast<size_t>(c.D));
       if (c.dtype != DType::kFloat32) x = dec(c.dtype, enc(c.dtype, x));  // representable values
     }
   std::vector<uint8_t> mb(static_cast<size_t>(c.G * c.S * T), 1);
@@ -158,14 +161,17 @@ void run_case(const Case& c, uint32_t seed, double tol) {
     }
 }
 
-// Split-KV: a key range processed in pieces and merged equals one pass.
-void split_matches_single_pass(int64_t G) {
+// Split-KV: a key range processed in pieces and merged equals one pass; so do consecutive
+// ranges accumulated into one state. k_ramp > 0: key j scaled by 1 + k_ramp * j, so the row
+// maxima keep rising and the softmax reference moves inside and between the calls.
+void split_matches_single_pass(int64_t G, float k_ramp) {
   const int64_t D = 32, T = 200;
   std::mt19937 rng(3);
   std::normal_distribution<float> nd;
   std::vector<float> q(static_cast<size_t>(G * D)), k(static_cast<size_t>(T * D)), v(k.size()), o1(q.size()), o2(q.size());
   for (auto* x : {&q, &k, &v})
     for (auto& e : *x) e = nd(rng);
+  for (size_t e = 0; e < k.size(); ++e) k[e] *= 1.0f + k_ramp * static_cast<float>(e / D);
   KVBlock blk{k.data(), v.data(), 0, T};
   AttentionGroup a;
   a.q = q.data(); a.q_head_stride = D; a.q_row_stride = D;
@@ -186,7 +192,15 @@ void split_matches_single_pass(int64_t G) {
   finalize(a, whole);
   a.out = o2.data();
   finalize(a, left);
-  for (size_t i = 0; i < o1.size(); ++i) CHECK_NEAR(o1[i], o2[i], 1e-6);
+  const double tol = k_ramp > 0 ? 2e-5 : 1e-6;
+  for (size_t i = 0; i < o1.size(); ++i) CHECK_NEAR(o1[i], o2[i], tol);
+  AttentionState chained;  // [0, 50), [50, 130), [130, T) into one state
+  init_state(a, s2.data(), &chained);
+  attend_range(a, 0, 50, &chained, scratch.data());
+  attend_range(a, 50, 130, &chained, scratch.data());
+  attend_range(a, 130, T, &chained, scratch.data());
+  finalize(a, chained);
+  for (size_t i = 0; i < o1.size(); ++i) CHECK_NEAR(o1[i], o2[i], tol);
 }
 
 // NaN in a visible key makes the row NaN (as ONNX Attention); NaN beyond the visible range is never read.
@@ -493,10 +507,23 @@ void run_all() {
     w.S = 7; w.mask = 1; w.window = 100;
     run_case(w, 12 + static_cast<uint32_t>(D), 2e-5);
   }
+  // Scores whose maxima keep rising over many tiles (up to ~|100|): the row path moves its
+  // softmax reference lazily (only when a score exceeds it by more than e^8), so these cross
+  // that threshold again and again, in fp32 and fp16, with and without a window and splits.
+  for (DType t : {DType::kFloat32, DType::kFloat16})
+    for (int64_t G : {1, 2, 4, 8}) {
+      Case rise;
+      rise.G = G; rise.S = 1; rise.P = 700; rise.D = 32; rise.Dv = 32; rise.blocks = 3;
+      rise.k_ramp = 0.04f; rise.dtype = t;
+      run_case(rise, 31 + static_cast<uint32_t>(G), t == DType::kFloat32 ? 2e-3 : 2e-2);
+      rise.S = 3; rise.window = 250; rise.mask = 2;
+      run_case(rise, 41 + static_cast<uint32_t>(G), t == DType::kFloat32 ? 2e-3 : 2e-2);
+    }
   Case odd;  // head_dim not a multiple of the vector width: SIMD levels fall back to scalar
   odd.G = 2; odd.S = 2; odd.P = 5; odd.D = 12; odd.Dv = 12;
   run_case(odd, 21, 1e-5);
-  for (int64_t G : {4, 32}) split_matches_single_pass(G);
+  for (int64_t G : {1, 4, 32})
+    for (float ramp : {0.0f, 0.05f}) split_matches_single_pass(G, ramp);
   nan_propagates();
   block_and_lane_paths();
   poisoned_tail_unread();
