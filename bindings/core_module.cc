@@ -196,7 +196,7 @@ PYBIND11_MODULE(_core, m) {
       "Reads every byte of a C-contiguous buffer once with the widest vector loads (the physical-limit probe of "
       "the benchmarks); returns a checksum.");
   m.def("isa", [] { return std::string(olep::kernels::isa_name(olep::kernels::active_isa())); },
-        "Attention kernel ISA level in use: 'scalar', 'avx2' or 'avx512'.");
+        "Attention kernel ISA level in use: 'scalar', 'avx2', 'avx512' or 'avx512_bf16'.");
   m.def("detected_isa", [] { return std::string(olep::kernels::isa_name(olep::kernels::detected_isa())); },
         "Best ISA level this CPU supports.");
   m.def(
@@ -206,7 +206,8 @@ PYBIND11_MODULE(_core, m) {
         if (name == "scalar") isa = olep::kernels::Isa::kScalar;
         else if (name == "avx2") isa = olep::kernels::Isa::kAvx2;
         else if (name == "avx512") isa = olep::kernels::Isa::kAvx512;
-        else throw std::invalid_argument("set_isa: expected 'scalar', 'avx2' or 'avx512', got '" + name + "'");
+        else if (name == "avx512_bf16") isa = olep::kernels::Isa::kAvx512Bf16;
+        else throw std::invalid_argument("set_isa: expected 'scalar', 'avx2', 'avx512' or 'avx512_bf16', got '" + name + "'");
         olep::kernels::set_isa(isa);
       },
       "Forces the attention kernel ISA level for this process (tests, benchmarks); ValueError if the CPU lacks it.");

@@ -86,11 +86,13 @@ void merge_states(const AttentionGroup& a, AttentionState* dst, const AttentionS
 void finalize(const AttentionGroup& a, const AttentionState& s);
 
 /// Instruction-set levels, best last. The scalar level is always built and is the test oracle.
-enum class Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+/// kAvx512Bf16 ("avx512_bf16") is kAvx512 plus VDPBF16PS for q . k of bfloat16 caches (exact
+/// bf16 products, float32 sums; see attention_avx512_bf16.cc); other dtypes run as kAvx512.
+enum class Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
 const char* isa_name(Isa isa);
 /// Best level this CPU supports.
 Isa detected_isa();
-/// Level in use: detected_isa(), or ONNX_LIGHT_ISA=scalar|avx2|avx512 from the environment
+/// Level in use: detected_isa(), or ONNX_LIGHT_ISA=scalar|avx2|avx512|avx512_bf16 from the environment
 /// at first use, or set_isa(). A level the CPU lacks is refused.
 Isa active_isa();
 /// Forces a level (tests, benchmarks). Throws std::invalid_argument if the CPU lacks it.
@@ -109,6 +111,8 @@ void attend_range_avx2(const AttentionGroup& a, int64_t key_begin, int64_t key_e
                        float* scratch);
 void attend_range_avx512(const AttentionGroup& a, int64_t key_begin, int64_t key_end, AttentionState* state,
                          float* scratch);
+void attend_range_avx512_bf16(const AttentionGroup& a, int64_t key_begin, int64_t key_end, AttentionState* state,
+                              float* scratch);
 
 /// Convenience: the whole key range, then finalize (tests, small calls).
 void attend_group(const AttentionGroup& a, float* scratch_and_state);

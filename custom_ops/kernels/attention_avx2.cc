@@ -10,6 +10,7 @@ namespace {
 
 struct Avx2 {
   static constexpr int W = 8;
+  static constexpr bool kBf16Dot = false;  // no VDPBF16PS at this level
   using vf = __m256;
   static vf zero() { return _mm256_setzero_ps(); }
   static vf set1(float x) { return _mm256_set1_ps(x); }

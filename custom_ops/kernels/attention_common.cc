@@ -79,6 +79,7 @@ const char* isa_name(Isa isa) {
     case Isa::kScalar: return "scalar";
     case Isa::kAvx2: return "avx2";
     case Isa::kAvx512: return "avx512";
+    case Isa::kAvx512Bf16: return "avx512_bf16";
   }
   return "unknown";
 }
@@ -87,7 +88,7 @@ Isa detected_isa() {
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
       __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("fma"))
-    return Isa::kAvx512;
+    return __builtin_cpu_supports("avx512bf16") ? Isa::kAvx512Bf16 : Isa::kAvx512;
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
     return Isa::kAvx2;
   return Isa::kScalar;
@@ -104,6 +105,7 @@ Isa from_env() {
   if (s == "scalar") want = Isa::kScalar;
   else if (s == "avx2") want = Isa::kAvx2;
   else if (s == "avx512") want = Isa::kAvx512;
+  else if (s == "avx512_bf16") want = Isa::kAvx512Bf16;
   else return best;
   return static_cast<int>(want) <= static_cast<int>(best) ? want : best;
 }
@@ -127,6 +129,7 @@ void set_isa(Isa isa) {
 
 void attend_range(const AttentionGroup& a, int64_t key_begin, int64_t key_end, AttentionState* state, float* scratch) {
   switch (active_isa()) {
+    case Isa::kAvx512Bf16: attend_range_avx512_bf16(a, key_begin, key_end, state, scratch); return;
     case Isa::kAvx512: attend_range_avx512(a, key_begin, key_end, state, scratch); return;
     case Isa::kAvx2: attend_range_avx2(a, key_begin, key_end, state, scratch); return;
     case Isa::kScalar: attend_range_scalar(a, key_begin, key_end, state, scratch); return;

@@ -1,6 +1,8 @@
 // SIMD attention kernel body, written once against a vector-traits class V
-// (V::W float lanes) and instantiated in attention_avx512.cc / attention_avx2.cc,
-// each compiled with its own ISA flags. Only those translation units include it.
+// (V::W float lanes) and instantiated in attention_avx2.cc, attention_avx512.cc and
+// attention_avx512_bf16.cc, each compiled with its own ISA flags. Only those translation
+// units include it. V::kBf16Dot levels compute bfloat16 q . k with V::dot_bf16 (VDPBF16PS)
+// on raw bf16 rows (row path with >= 3 rows per KV head, lanes path).
 //
 // Two paths, chosen per call by how many query rows share the KV head (group_size x
 // valid rows, "rows"):
@@ -294,6 +296,60 @@ OLEP_COLD_REGS void scores_row_walk(const float* q, int64_t D, const typename KL
   V::store(out, V::transpose_reduce(acc));
 }
 
+// bfloat16 scores with V::dot_bf16 (VDPBF16PS, levels with V::kBf16Dot): as scores_rows /
+// scores_row_walk, on raw bf16 q rows (unscaled) and K rows, 2 * W elements per vector.
+template <class V, int RB>
+OLEP_COLD_REGS void scores_rows_dot(const uint16_t* qb, int64_t D, const uint16_t* kp, const int64_t* rows,
+                                    float* ptile, TilePrefetch* pf) {
+  using vf = typename V::vf;
+  constexpr int W = V::W, KB = W / RB, E = 2 * W;
+  alignas(64) float x[RB][W];
+  for (int g = 0; g < RB; ++g) {
+    vf acc[W];
+#pragma GCC unroll 16
+    for (int e = 0; e < W; ++e) acc[e] = V::zero();
+    const uint16_t* kg = kp + g * KB * D;
+    for (int64_t d = 0; d < D; d += E) {
+      pf->step();
+      vf kv[KB];
+#pragma GCC unroll 16
+      for (int tt = 0; tt < KB; ++tt) kv[tt] = V::load_raw(kg + tt * D + d);
+#pragma GCC unroll 4
+      for (int rr = 0; rr < RB; ++rr) {
+        const vf qv = V::load_raw(qb + rows[rr] * D + d);
+#pragma GCC unroll 16
+        for (int tt = 0; tt < KB; ++tt) acc[rr * KB + tt] = V::dot_bf16(acc[rr * KB + tt], qv, kv[tt]);
+      }
+    }
+    V::store(x[g], V::transpose_reduce(acc));
+  }
+  for (int rr = 0; rr < RB; ++rr)
+    for (int g = 0; g < RB; ++g) std::memcpy(ptile + rows[rr] * W + g * KB, &x[g][rr * KB], KB * sizeof(float));
+}
+
+template <class V>
+OLEP_COLD_REGS void scores_row_walk_dot(const uint16_t* q, int64_t D, const uint16_t* kp, float* out,
+                                        TilePrefetch* pf) {
+  using vf = typename V::vf;
+  constexpr int W = V::W, E = 2 * W;
+  vf acc[W];
+#pragma GCC unroll 16
+  for (int t = 0; t < W; ++t) {
+    pf->step();
+    const uint16_t* kr = kp + t * D;
+    vf a0 = V::dot_bf16(V::zero(), V::load_raw(q), V::load_raw(kr));
+    vf a1 = V::zero();
+    int64_t d = E;
+    for (; d + E < D; d += 2 * E) {
+      a1 = V::dot_bf16(a1, V::load_raw(q + d), V::load_raw(kr + d));
+      a0 = V::dot_bf16(a0, V::load_raw(q + d + E), V::load_raw(kr + d + E));
+    }
+    if (d < D) a1 = V::dot_bf16(a1, V::load_raw(q + d), V::load_raw(kr + d));
+    acc[t] = V::add(a0, a1);
+  }
+  V::store(out, V::transpose_reduce(acc));
+}
+
 // L: how K/V storage is read; kTiles: convert each K/V tile to float once (shared by
 // every query row of the group) instead of converting on every load.
 template <class V, class L, bool kTiles>
@@ -313,8 +369,23 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
   float* lsum = corr + R;           // [R, W] lane-wise sums of p, folded into st->l at the end
 
   const bool capped = a.softcap > 0.0f;
+  // bfloat16 q . k by VDPBF16PS (levels that have it, head_dim a multiple of 2 * W, at least
+  // 3 rows per KV head): q rows stay raw bf16 in the qf area, unscaled; the scale multiplies
+  // the finished scores. Measured on Zen 4 (D = 128, from DRAM, time / read time): 4 rows
+  // 1.70 -> 1.42, 3 rows 1.74 -> 1.64; but 2 rows 1.25 -> 1.35 and 1 row 0.95 -> 1.0-1.8
+  // (memory-bound there: the full-line K loads of the dot loop stream worse), so 1-2 rows
+  // keep the converting loads.
+  constexpr bool kDotLevel = V::kBf16Dot && std::is_same<L, LoadBF16<V>>::value && !kTiles;
+  const bool dot = kDotLevel && D % (2 * W) == 0 && G * valid >= 3;
+  uint16_t* qb = reinterpret_cast<uint16_t*>(qf);  // [R, D] raw bf16 when dot
+  if (dot) {
+    for (int64_t h = 0; h < G; ++h)
+      for (int64_t i = 0; i < valid; ++i)
+        std::memcpy(qb + (h * S + i) * D, static_cast<const uint16_t*>(a.q) + h * a.q_head_stride + i * a.q_row_stride,
+                    static_cast<size_t>(D) * sizeof(uint16_t));
+  }
   const float qscale = capped ? 1.0f : a.scale;
-  for (int64_t h = 0; h < G; ++h)
+  for (int64_t h = 0; h < G && !dot; ++h)
     for (int64_t i = 0; i < valid; ++i) {
       float* dst = qf + (h * S + i) * D;
       const int64_t off = h * a.q_head_stride + i * a.q_row_stride;
@@ -344,7 +415,8 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
   constexpr int kPvRows = (W >= 16 && !std::is_same<KE, float>::value) ? 4 : 2;
   const int64_t tile_steps = [&] {
     const int64_t r4 = row_count / 4, r2 = row_count % 4 / 2, r1 = row_count % 2;
-    const int64_t scores = r4 * 4 * (D / W) + r2 * 2 * (D / W) + r1 * W;
+    const int64_t dsteps = dot ? D / (2 * W) : D / W;  // score-loop iterations per row block
+    const int64_t scores = r4 * 4 * dsteps + r2 * 2 * dsteps + r1 * W;
     const int64_t pv = (row_count / kPvRows) * W * pv_passes<W, kPvRows>(Dv) + (row_count % kPvRows) * W * pv_passes<W, 1>(Dv);
     return scores + pv;
   }();
@@ -384,6 +456,15 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
       int64_t rows[4];
       int nr = 0;
       auto flush = [&](int cnt) {
+        if constexpr (kDotLevel) {
+          if (dot) {
+            const uint16_t* kb = reinterpret_cast<const uint16_t*>(kp);
+            if (cnt == 4) scores_rows_dot<V, 4>(qb, D, kb, rows, ptile, &pf);
+            else if (cnt >= 2) scores_rows_dot<V, 2>(qb, D, kb, rows, ptile, &pf);
+            else scores_row_walk_dot<V>(qb + rows[0] * D, D, kb, ptile + rows[0] * W, &pf);
+            return;
+          }
+        }
         if (cnt == 4) scores_rows<V, KL, 4>(qf, D, kp, rows, ptile, &pf);
         else if (cnt >= 2) scores_rows<V, KL, 2>(qf, D, kp, rows, ptile, &pf);
         else scores_row_walk<V, KL>(qf + rows[0] * D, D, kp, ptile + rows[0] * W, &pf);
@@ -447,6 +528,7 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
           continue;
         }
         vf s = V::load(prow);
+        if (dot && !capped) s = V::mul(s, V::set1(a.scale));  // dot scores are unscaled
         if (capped) {
           const vf x = V::mul(s, V::set1(a.scale));
           s = V::mul(V::set1(a.softcap), tanh_v<V>(V::mul(x, V::set1(1.0f / a.softcap))));
@@ -561,11 +643,22 @@ void attend_lanes(const AttentionGroup& a, int64_t key_begin, int64_t key_end, A
 
   const bool capped = a.softcap > 0.0f;
   const float qscale = capped ? 1.0f : a.scale;
+  // bfloat16 on levels with VDPBF16PS (head_dim even): qt holds raw bf16 pairs instead,
+  // qt2[i][r] = (q[r][2i], q[r][2i+1]) in one 32-bit lane, unscaled, and each score vector is
+  // one dot_bf16 per pair of K elements (broadcast as one 32-bit value from the raw K row).
+  constexpr bool kDotLevel = V::kBf16Dot;
+  const bool dot = kDotLevel && a.dtype == DType::kBFloat16 && D % 2 == 0;
+  uint32_t* qt2 = reinterpret_cast<uint32_t*>(qt);  // [D / 2, Rp] when dot
   std::fill(qt, qt + D * Rp, 0.0f);
   for (int64_t h = 0; h < G; ++h)
     for (int64_t i = 0; i < valid; ++i) {
       const int64_t r = h * S + i, off = h * a.q_head_stride + i * a.q_row_stride;
-      for (int64_t d = 0; d < D; ++d) qt[d * Rp + r] = detail::load(a.dtype, a.q, off + d) * qscale;
+      if (dot) {
+        const uint16_t* qr = static_cast<const uint16_t*>(a.q) + off;
+        for (int64_t d = 0; d < D; d += 2) qt2[d / 2 * Rp + r] = qr[d] | static_cast<uint32_t>(qr[d + 1]) << 16;
+      } else {
+        for (int64_t d = 0; d < D; ++d) qt[d * Rp + r] = detail::load(a.dtype, a.q, off + d) * qscale;
+      }
     }
   for (int64_t r = 0; r < Rp; ++r) {
     mloc[r] = r < R ? st->m[r] : -INFINITY;
@@ -603,9 +696,19 @@ void attend_lanes(const AttentionGroup& a, int64_t key_begin, int64_t key_end, A
     const char* krows = tc.krows;
     const char* vrows = tc.vrows;
     pf.reset_next(krows, vrows, j0, b1, TK, D * es, Dv * es, lane_steps);  // spread over this tile's loops
-    const float* kp;
+    const float* kp = nullptr;
+    const uint16_t* kraw = nullptr;  // dot: raw bf16 K rows
     const float* vp;
-    if (a.dtype == DType::kFloat32 && n == TK) {
+    if (dot) {
+      if (n == TK) {
+        kraw = reinterpret_cast<const uint16_t*>(krows);
+      } else {  // pad a partial tile with zeros (K rows >= n must not be read)
+        uint16_t* raw = reinterpret_cast<uint16_t*>(ktile);
+        std::memcpy(raw, krows, static_cast<size_t>(n * D) * sizeof(uint16_t));
+        std::memset(raw + n * D, 0, static_cast<size_t>((TK - n) * D) * sizeof(uint16_t));
+        kraw = raw;
+      }
+    } else if (a.dtype == DType::kFloat32 && n == TK) {
       kp = reinterpret_cast<const float*>(krows);
     } else {  // convert, or pad a partial tile with zeros (K rows >= n must not be read)
       convert_rows<V>(a.dtype, krows, n, D, TK, ktile);
@@ -646,8 +749,28 @@ void attend_lanes(const AttentionGroup& a, int64_t key_begin, int64_t key_end, A
         continue;
       }
 
-      // Scores: KB keys at a time, one broadcast K element per FMA.
-      for (int k0 = 0; k0 < TK; k0 += KB) {
+      // Scores: KB keys at a time, one broadcast K element (dot: element pair) per FMA.
+      if constexpr (kDotLevel) {
+        if (dot) {
+          const vf sc = V::set1(capped ? 1.0f : a.scale);  // capped: scaled in the softcap below
+          for (int k0 = 0; k0 < TK; k0 += KB) {
+            vf acc[KB];
+#pragma GCC unroll 8
+            for (int u = 0; u < KB; ++u) acc[u] = V::zero();
+            const uint16_t* kr = kraw + k0 * D;
+            const float* qc = reinterpret_cast<const float*>(qt2 + rb);
+            for (int64_t d = 0; d < D; d += 2) {
+              pf.step();  // the float loop below steps every other d: same count
+              const vf qv = V::load(qc + d / 2 * Rp);
+#pragma GCC unroll 8
+              for (int u = 0; u < KB; ++u) acc[u] = V::dot_bf16(acc[u], qv, V::set1_pair(kr + u * D + d));
+            }
+#pragma GCC unroll 8
+            for (int u = 0; u < KB; ++u) V::store(ptile + (k0 + u) * Rp + rb, V::mul(acc[u], sc));
+          }
+        }
+      }
+      for (int k0 = 0; k0 < TK && !dot; k0 += KB) {
         vf acc[KB];
 #pragma GCC unroll 8
         for (int u = 0; u < KB; ++u) acc[u] = V::zero();

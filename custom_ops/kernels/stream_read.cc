@@ -9,6 +9,7 @@ namespace kernels {
 
 uint64_t stream_read(const void* p, size_t bytes) {
   switch (active_isa()) {
+    case Isa::kAvx512Bf16:
     case Isa::kAvx512: return stream_read_avx512(p, bytes);
     case Isa::kAvx2: return stream_read_avx2(p, bytes);
     case Isa::kScalar: break;

@@ -384,16 +384,21 @@ void inf_scores_are_nan() {
 // one V entry (seen by some rows, not by others: prefill, window, mask), a +-inf in one K
 // entry, huge q (probabilities that underflow), split key ranges merged afterwards. NaN must
 // land on exactly the same outputs; finite outputs agree to float tolerance.
-void nonfinite_matches_scalar() {
+// bfloat16 (t): q, k, v stored as bf16 with head_dim mostly a multiple of 32 (the
+// avx512_bf16 level's VDPBF16PS scores), sometimes 16 (its fallback); outputs compared
+// at bf16 precision.
+void nonfinite_matches_scalar(DType t) {
   if (active_isa() == Isa::kScalar) return;
   const Isa level = active_isa();
-  std::mt19937 rng(77);
+  const bool bf = t == DType::kBFloat16;
+  std::mt19937 rng(bf ? 78 : 77);
   auto ri = [&](int lo, int hi) { return static_cast<int64_t>(std::uniform_int_distribution<int>(lo, hi)(rng)); };
   std::normal_distribution<float> nd;
   for (int it = 0; it < 60; ++it) {
     const int special = static_cast<int>(it % 4);
     const bool from_empty = special == 2 && it % 8 == 2;  // prefill from position 0: row 0 sees key 0 only
-    const int64_t G = it % 3 == 0 ? ri(16, 20) : ri(1, 5), S = from_empty ? ri(2, 6) : ri(1, 6), D = 16 * ri(1, 2),
+    const int64_t G = it % 3 == 0 ? ri(16, 20) : ri(1, 5), S = from_empty ? ri(2, 6) : ri(1, 6),
+                  D = bf ? (it % 5 == 4 ? 16 : 32 * ri(1, 3)) : 16 * ri(1, 2),
                   T = from_empty ? S : ri(static_cast<int>(S), 70);
     std::vector<float> q(static_cast<size_t>(G * S * D)), k(static_cast<size_t>(T * D)), v(k.size());
     for (auto* x : {&q, &k, &v})
@@ -412,9 +417,16 @@ void nonfinite_matches_scalar() {
       for (auto& e : q) e *= 40.0f;  // exp underflows for most keys
     std::vector<uint8_t> mb(static_cast<size_t>(G * S * T));
     for (auto& e : mb) e = ri(0, 3) != 0;
+    std::vector<uint16_t> qh, kh, vh;  // bf16 storage
+    if (bf)
+      for (auto pr : {std::make_pair(&q, &qh), std::make_pair(&k, &kh), std::make_pair(&v, &vh)})
+        for (float e : *pr.first) pr.second->push_back(float_to_bf16(e));
     KVBlock b{k.data(), v.data(), 0, T};
+    if (bf) b = KVBlock{kh.data(), vh.data(), 0, T};
     AttentionGroup a;
-    a.q = q.data(); a.q_head_stride = S * D; a.q_row_stride = D; a.out_head_stride = S * D; a.out_row_stride = D;
+    a.dtype = t;
+    a.q = bf ? static_cast<const void*>(qh.data()) : static_cast<const void*>(q.data());
+    a.q_head_stride = S * D; a.q_row_stride = D; a.out_head_stride = S * D; a.out_row_stride = D;
     a.group_size = G; a.num_rows = S; a.num_valid_rows = S; a.q_offset = T - S; a.num_keys = T; a.blocks = &b;
     a.num_blocks = 1; a.head_dim = D; a.v_head_dim = D; a.scale = 0.25f; a.is_causal = it % 2 == 0;
     a.local_window_size = it % 5 == 0 ? ri(1, 20) : -1;
@@ -423,10 +435,11 @@ void nonfinite_matches_scalar() {
       a.mask.key_stride = 1;
     }
     std::vector<float> out[2];
+    std::vector<uint16_t> outh(static_cast<size_t>(G * S * D));
     for (int pass = 0; pass < 2; ++pass) {
       set_isa(pass == 0 ? Isa::kScalar : level);
       out[pass].assign(static_cast<size_t>(G * S * D), 0.0f);
-      a.out = out[pass].data();
+      a.out = bf ? static_cast<void*>(outh.data()) : static_cast<void*>(out[pass].data());
       std::vector<float> s0(static_cast<size_t>(state_floats(a))), s1(s0.size());
       std::vector<float> scratch(static_cast<size_t>(scratch_floats(a)));
       AttentionState st0, st1;
@@ -436,11 +449,14 @@ void nonfinite_matches_scalar() {
       attend_range(a, split, T, &st1, scratch.data());
       merge_states(a, &st0, st1);
       finalize(a, st0);
+      if (bf)
+        for (size_t i = 0; i < outh.size(); ++i) out[pass][i] = bf16_to_float(outh[i]);
     }
     set_isa(level);
+    const double rel = bf ? 1.6e-2 : 1e-4;  // bf16: one output rounding step apart at most
     for (size_t i = 0; i < out[0].size(); ++i) {
       CHECK(std::isnan(out[0][i]) == std::isnan(out[1][i]));
-      if (!std::isnan(out[0][i])) CHECK_NEAR(out[1][i], out[0][i], 1e-4 * (1.0 + std::fabs(out[0][i])));
+      if (!std::isnan(out[0][i])) CHECK_NEAR(out[1][i], out[0][i], rel * (1.0 + std::fabs(out[0][i])));
     }
   }
 }
@@ -519,6 +535,28 @@ void run_all() {
       rise.S = 3; rise.window = 250; rise.mask = 2;
       run_case(rise, 41 + static_cast<uint32_t>(G), t == DType::kFloat32 ? 2e-3 : 2e-2);
     }
+  // bfloat16 with head_dim a multiple of 32 (avx512_bf16: VDPBF16PS scores) against the
+  // double reference: row path (1..8 rows per KV head), masks, window, softcap, splits.
+  for (int64_t D : {32, 64, 96, 128})
+    for (int64_t G : {1, 2, 4, 8}) {
+      Case b;
+      b.G = G; b.S = 1; b.P = 200; b.D = D; b.Dv = D; b.blocks = 2; b.dtype = DType::kBFloat16;
+      run_case(b, 61 + static_cast<uint32_t>(D + G), 1.6e-2);
+      b.S = 3; b.mask = 2; b.window = 70; b.softcap = 3.0f;
+      run_case(b, 71 + static_cast<uint32_t>(D + G), 1.6e-2);
+      b.mask = 1; b.window = -1; b.softcap = 0.0f; b.k_ramp = 0.03f;
+      run_case(b, 81 + static_cast<uint32_t>(D + G), 1.6e-2);
+    }
+  // ... and the lanes path (>= 16 rows per KV head, no mask tensor): MQA-like decode, prefill
+  // rows with a window, softcap.
+  for (int64_t D : {32, 64, 128})
+    for (int64_t G : {16, 32}) {
+      Case b;
+      b.G = G; b.S = 1; b.P = 150; b.D = D; b.Dv = D; b.blocks = 2; b.dtype = DType::kBFloat16; b.k_ramp = 0.02f;
+      run_case(b, 91 + static_cast<uint32_t>(D + G), 1.6e-2);
+      b.S = 2; b.window = 60; b.softcap = 4.0f;
+      run_case(b, 95 + static_cast<uint32_t>(D + G), 1.6e-2);
+    }
   Case odd;  // head_dim not a multiple of the vector width: SIMD levels fall back to scalar
   odd.G = 2; odd.S = 2; odd.P = 5; odd.D = 12; odd.Dv = 12;
   run_case(odd, 21, 1e-5);
@@ -531,11 +569,12 @@ void run_all() {
   nan_with_softcap();
   unseen_nan_value_not_read();
   inf_scores_are_nan();
-  nonfinite_matches_scalar();
+  nonfinite_matches_scalar(DType::kFloat32);
+  nonfinite_matches_scalar(DType::kBFloat16);
 }
 
 int main() {
-  for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512}) {
+  for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Bf16}) {
     if (static_cast<int>(isa) > static_cast<int>(detected_isa())) {
       std::printf("ISA %s: not supported by this CPU, not run\n", isa_name(isa));
       continue;

@@ -1,0 +1,44 @@
+// AVX-512 + AVX512_BF16 instantiation of the SIMD attention kernel: the avx512 level plus
+// VDPBF16PS for q . k when the cache (and so q) is bfloat16. Compiled with the avx512
+// flags and -mavx512bf16; only called after run-time detection (attention_common.cc).
+//
+// VDPBF16PS multiplies pairs of bf16 elements and adds both products to a float32 lane:
+// a bf16 x bf16 product is exact in float32 (8 x 8 significand bits), so the scores are the
+// float32 dot products the avx512 level computes, with half the instructions and no
+// bf16 -> float32 conversion of K. Differences: the instruction treats denormal inputs and
+// results as zero (|x| < 1.2e-38, far below anything a score can resolve), and q is used
+// unscaled (the scale multiplies the finished scores). P . V stays in float32 FMAs
+// (rounding the probabilities to bf16 would cost accuracy). Other dtypes run exactly the
+// avx512 code.
+#include <immintrin.h>
+
+#include "kernels/attention_simd.h"
+#include "kernels/avx512_traits.h"
+
+namespace olep {
+namespace kernels {
+namespace {
+
+struct Avx512Bf16 : Avx512 {
+  static constexpr bool kBf16Dot = true;
+  // 2 * W raw bf16 elements as one vector (no conversion).
+  static vf load_raw(const uint16_t* p) { return _mm512_castsi512_ps(_mm512_loadu_si512(p)); }
+  // The pair p[0], p[1] in every 32-bit lane.
+  static vf set1_pair(const uint16_t* p) {
+    uint32_t x;
+    __builtin_memcpy(&x, p, sizeof(x));
+    return _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(x)));
+  }
+  // acc[i] += a.bf16[2i] * b.bf16[2i] + a.bf16[2i+1] * b.bf16[2i+1]
+  static vf dot_bf16(vf acc, vf a, vf b) { return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b); }
+};
+
+}  // namespace
+
+void attend_range_avx512_bf16(const AttentionGroup& a, int64_t key_begin, int64_t key_end, AttentionState* state,
+                              float* scratch) {
+  simd::attend_range<Avx512Bf16>(a, key_begin, key_end, state, scratch);
+}
+
+}  // namespace kernels
+}  // namespace olep

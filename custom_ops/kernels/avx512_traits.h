@@ -1,0 +1,97 @@
+// AVX-512 (F, BW, VL, DQ) vector traits of the SIMD attention kernel (attention_simd.h).
+// Included only by the translation units compiled with those flags
+// (attention_avx512.cc, attention_avx512_bf16.cc); each gets its own copy (anonymous
+// namespace), so no inline function crosses a flag boundary.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace olep {
+namespace kernels {
+namespace {
+
+struct Avx512 {
+  static constexpr int W = 16;
+  static constexpr bool kBf16Dot = false;  // see Avx512Bf16 (attention_avx512_bf16.cc)
+  using vf = __m512;
+  static vf zero() { return _mm512_setzero_ps(); }
+  static vf set1(float x) { return _mm512_set1_ps(x); }
+  static vf load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, vf v) { _mm512_storeu_ps(p, v); }
+  static vf load_f16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static vf load_bf16(const uint16_t* p) {
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+  }
+  static vf fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+  static vf add(vf a, vf b) { return _mm512_add_ps(a, b); }
+  static vf sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+  static vf mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+  static vf div(vf a, vf b) { return _mm512_div_ps(a, b); }
+  static vf max(vf a, vf b) { return _mm512_max_ps(a, b); }
+  static vf abs(vf a) { return _mm512_abs_ps(a); }
+  static vf copysign(vf mag, vf sign) {
+    const __m512i m = _mm512_set1_epi32(0x80000000);
+    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_andnot_si512(m, _mm512_castps_si512(mag)),
+                                               _mm512_and_si512(m, _mm512_castps_si512(sign))));
+  }
+  static float reduce_max(vf v) { return _mm512_reduce_max_ps(v); }
+  static float reduce_add(vf v) { return _mm512_reduce_add_ps(v); }
+  // Lanes t with lo <= j0 + t < hi, as bits.
+  static unsigned key_range(int64_t j0, int64_t lo, int64_t hi) {
+    if (hi <= lo) return 0;
+    const int64_t a = lo - j0, b = hi - j0;
+    const unsigned upto = b >= W ? 0xffffu : ((1u << b) - 1u);
+    const unsigned from = a <= 0 ? 0xffffu : (0xffffu & ~((1u << a) - 1u));
+    return upto & from;
+  }
+  static unsigned bool_bits(const uint8_t* p, int64_t n) {
+    if (n == W) return _mm_cmpneq_epi8_mask(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), _mm_setzero_si128());
+    unsigned bits = 0;
+    for (int64_t t = 0; t < n; ++t) bits |= (p[t] != 0 ? 1u : 0u) << t;
+    return bits;
+  }
+  static unsigned le_bits(vf v, float x) { return _mm512_cmp_ps_mask(v, _mm512_set1_ps(x), _CMP_LE_OQ); }
+  static unsigned gt_bits(vf v, float x) { return _mm512_cmp_ps_mask(v, _mm512_set1_ps(x), _CMP_GT_OQ); }
+  static unsigned nan_bits(vf v) { return _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q); }
+  static vf select(unsigned bits, vf if_set, vf otherwise) {
+    return _mm512_mask_blend_ps(static_cast<__mmask16>(bits), otherwise, if_set);
+  }
+  __attribute__((always_inline)) static vf exp(vf x) {
+    // Cephes expf: x = n ln2 + r, |r| <= ln2/2; exp(r) by a degree-6 polynomial; scale by 2^n.
+    x = _mm512_min_ps(_mm512_max_ps(x, set1(-87.33654f)), set1(88.72283f));
+    const vf n = _mm512_roundscale_ps(mul(x, set1(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    vf r = _mm512_fnmadd_ps(n, set1(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, set1(-2.12194440e-4f), r);
+    vf p = set1(1.9875691500e-4f);
+    p = fma(p, r, set1(1.3981999507e-3f));
+    p = fma(p, r, set1(8.3334519073e-3f));
+    p = fma(p, r, set1(4.1665795894e-2f));
+    p = fma(p, r, set1(1.6666665459e-1f));
+    p = fma(p, r, set1(5.0000001201e-1f));
+    p = fma(p, mul(r, r), add(r, set1(1.0f)));
+    return _mm512_scalef_ps(p, n);
+  }
+  // out[t] = sum of the lanes of acc[t], t = 0..15.
+  __attribute__((always_inline)) static vf transpose_reduce(const vf* acc) {
+    vf w[8];
+    for (int k = 0; k < 8; ++k)
+      w[k] = add(_mm512_unpacklo_ps(acc[2 * k], acc[2 * k + 1]), _mm512_unpackhi_ps(acc[2 * k], acc[2 * k + 1]));
+    vf x[4];
+    for (int k = 0; k < 4; ++k) {
+      const __m512d a = _mm512_castps_pd(w[2 * k]), b = _mm512_castps_pd(w[2 * k + 1]);
+      x[k] = add(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    // x[k] lane L (128-bit) holds partial sums of acc[4k..4k+3] over lanes 4L..4L+3.
+    const vf y = add(_mm512_shuffle_f32x4(x[0], x[1], 0x88), _mm512_shuffle_f32x4(x[0], x[1], 0xdd));
+    const vf z = add(_mm512_shuffle_f32x4(x[2], x[3], 0x88), _mm512_shuffle_f32x4(x[2], x[3], 0xdd));
+    return add(_mm512_shuffle_f32x4(y, z, 0x88), _mm512_shuffle_f32x4(y, z, 0xdd));
+  }
+};
+
+
+}  // namespace
+}  // namespace kernels
+}  // namespace olep
