@@ -66,10 +66,7 @@ struct AttentionGroup {
 };
 
 /// Online-softmax state of R = group_size * num_rows rows (row r = h * num_rows + i):
-/// reference m[r], running sum l[r] = sum of exp(score - m[r]), unnormalized output
-/// acc[r * v_head_dim + d] (relative to the same m[r]). m[r] is the running max in the scalar
-/// and lanes paths; the SIMD row path moves it lazily, so there it may lie up to 8 below the
-/// max (probabilities <= e^8). out = acc / l either way.
+/// running max m[r], running sum l[r] (relative to m), unnormalized output acc[r * v_head_dim + d].
 struct AttentionState {
   float* m = nullptr;
   float* l = nullptr;

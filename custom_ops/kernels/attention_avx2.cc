@@ -73,7 +73,8 @@ struct Avx2 {
     return _mm256_blendv_ps(otherwise, if_set, _mm256_castsi256_ps(m));
   }
   __attribute__((always_inline)) static vf exp(vf x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, set1(-87.33654f)), set1(88.72283f));
+    // Down to -104: denormal results and 0 below -103.97, as std::exp (see avx512_traits.h).
+    x = _mm256_min_ps(_mm256_max_ps(x, set1(-104.0f)), set1(88.72283f));
     const vf n = _mm256_round_ps(mul(x, set1(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     vf r = _mm256_fnmadd_ps(n, set1(0.693359375f), x);
     r = _mm256_fnmadd_ps(n, set1(-2.12194440e-4f), r);
@@ -84,9 +85,16 @@ struct Avx2 {
     p = fma(p, r, set1(1.6666665459e-1f));
     p = fma(p, r, set1(5.0000001201e-1f));
     p = fma(p, mul(r, r), add(r, set1(1.0f)));
-    // 2^n for n in [-126, 128): build the exponent bits; n = 128 only for x near the clamp.
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(126)), 23);
-    return mul(mul(p, _mm256_castsi256_ps(e)), set1(2.0f));
+    // p * 2^n for n in [-150, 128] as p * 2^a * 2^b, a = floor(n / 2), b = n - a, both in
+    // [-75, 64] (normal powers of two built from exponent bits): exact but for the final
+    // rounding, which lands in the denormal range for n < -126.
+    const __m256i ni = _mm256_cvtps_epi32(n);
+    const __m256i na = _mm256_srai_epi32(ni, 1);
+    const __m256i nb = _mm256_sub_epi32(ni, na);
+    const __m256i bias = _mm256_set1_epi32(127);
+    const vf sa = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(na, bias), 23));
+    const vf sb = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(nb, bias), 23));
+    return mul(mul(p, sa), sb);
   }
   __attribute__((always_inline)) static vf transpose_reduce(const vf* acc) {
     vf w[4];

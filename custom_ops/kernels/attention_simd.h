@@ -124,9 +124,6 @@ struct TilePrefetch {
 // key whose probability underflowed still does, as in ONNX. Tiles every row sees in full take
 // the plain loop.
 constexpr float kUnseen = -0.0f;
-// How far (natural-log units) a score may exceed a row's reference m before the reference
-// moves (row path): probabilities stay <= e^8 ~ 3e3, far from float overflow.
-constexpr float kLazyRescale = 8.0f;
 template <class V, class L, int RB, int NU, bool kSkipZero>
 OLEP_HOT void pv_block(float* const* acc, const int64_t* rows, const typename L::elem* v, int64_t v_stride,
                      const float* ptile, int64_t p_tstride, int64_t p_rstride, int64_t n, const float* corr,
@@ -549,15 +546,15 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
           std::fill(prow, prow + W, kUnseen);
           continue;
         }
-        // Lazy rescale: m[r] is a reference at most kLazyRescale below the row's maximum, not
-        // the maximum itself; it moves (and acc, l are rescaled) only when a visible score
-        // exceeds it by more than that, so p <= e^kLazyRescale and most tiles need no
-        // horizontal max, no scalar exp and no rescale of the accumulators. Sums stay lane-wise
-        // (lsum) until the end of the call. Same result up to rounding: out = acc / l with acc
-        // and l relative to the same reference.
+        // The max moves (horizontal max, scalar exp, rescale of acc and l) only in tiles where
+        // a visible score exceeds it, a few tiles per row in practice (for i.i.d. scores about
+        // ln(tiles)); other tiles add exp(s - m) <= 1 to lane-wise sums (lsum), folded into
+        // l at the end of the call. (A reference allowed to lag the max, as some GPU kernels
+        // do, would let p reach e^lag and overflow acc for |v| > FLT_MAX / e^lag; an exact max
+        // keeps acc within the scalar level's range.)
         float m_ref = st->m[r];
         float c = 1.0f;
-        if (V::gt_bits(s, m_ref + kLazyRescale) & live) {
+        if (V::gt_bits(s, m_ref) & live) {
           const float m_new = std::max(m_ref, V::reduce_max(V::select(live, s, V::set1(-INFINITY))));
           c = std::exp(m_ref - m_new);
           st->l[r] *= c;

@@ -61,7 +61,11 @@ struct Avx512 {
   }
   __attribute__((always_inline)) static vf exp(vf x) {
     // Cephes expf: x = n ln2 + r, |r| <= ln2/2; exp(r) by a degree-6 polynomial; scale by 2^n.
-    x = _mm512_min_ps(_mm512_max_ps(x, set1(-87.33654f)), set1(88.72283f));
+    // Below -87.3 the result is a denormal (down to ~1.4e-45 at -103.3) and 0 below -103.97,
+    // as std::exp gives: scalef rounds p * 2^n into the denormal range correctly. (A
+    // probability that underflows to exactly 0 makes 0 * inf = NaN for an inf value, as in
+    // the scalar level and ONNX's float softmax; a clamped tiny p would give inf.)
+    x = _mm512_min_ps(_mm512_max_ps(x, set1(-104.0f)), set1(88.72283f));
     const vf n = _mm512_roundscale_ps(mul(x, set1(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     vf r = _mm512_fnmadd_ps(n, set1(0.693359375f), x);
     r = _mm512_fnmadd_ps(n, set1(-2.12194440e-4f), r);

@@ -203,6 +203,37 @@ void split_matches_single_pass(int64_t G, float k_ramp) {
   for (size_t i = 0; i < o1.size(); ++i) CHECK_NEAR(o1[i], o2[i], tol);
 }
 
+// Large finite V (|v| ~ 1e35..1e37, fp32 range) with the row max rising in a later tile: the
+// output stays finite and equal to the scalar level's. (A softmax reference lagging the max
+// made p up to e^8 and overflowed acc to inf here.)
+void large_values_stay_finite() {
+  for (int64_t G : {1, 4}) {
+    const int64_t D = 16, T = 40;
+    std::vector<float> q(static_cast<size_t>(G * D), 0.0f), k(static_cast<size_t>(T * D), 0.0f), v(k.size(), 0.0f);
+    for (int64_t h = 0; h < G; ++h) q[static_cast<size_t>(h * D)] = 1.0f;
+    for (int64_t j = 0; j < T; ++j) k[static_cast<size_t>(j * D)] = j < 16 ? 0.0f : 7.9f;
+    for (int64_t j = 16; j < T; ++j)
+      for (int64_t d = 0; d < D; ++d) v[static_cast<size_t>(j * D + d)] = (d % 2 ? -1.0f : 1.0f) * 2e35f;
+    KVBlock b{k.data(), v.data(), 0, T};
+    AttentionGroup a;
+    a.q = q.data(); a.q_head_stride = D; a.q_row_stride = D; a.out_head_stride = D; a.out_row_stride = D;
+    a.group_size = G; a.num_rows = 1; a.num_valid_rows = 1; a.q_offset = T - 1; a.num_keys = T;
+    a.blocks = &b; a.num_blocks = 1; a.head_dim = D; a.v_head_dim = D; a.scale = 1.0f; a.is_causal = true;
+    std::vector<float> want(q.size()), got(q.size()), buf(static_cast<size_t>(attend_group_floats(a)));
+    const Isa level = active_isa();
+    set_isa(Isa::kScalar);
+    a.out = want.data();
+    attend_group(a, buf.data());
+    set_isa(level);
+    a.out = got.data();
+    attend_group(a, buf.data());
+    for (size_t i = 0; i < got.size(); ++i) {
+      CHECK(std::isfinite(got[i]));
+      CHECK_NEAR(got[i], want[i], 1e-5 * std::fabs(want[i]));
+    }
+  }
+}
+
 // NaN in a visible key makes the row NaN (as ONNX Attention); NaN beyond the visible range is never read.
 void nan_propagates() {
   const int64_t D = 16, T = 40;
@@ -563,6 +594,7 @@ void run_all() {
   for (int64_t G : {1, 4, 32})
     for (float ramp : {0.0f, 0.05f}) split_matches_single_pass(G, ramp);
   nan_propagates();
+  large_values_stay_finite();
   block_and_lane_paths();
   poisoned_tail_unread();
   nan_in_one_head();
