@@ -237,31 +237,58 @@ constexpr int64_t pv_passes(int64_t Dv) {
   return calls;
 }
 
+// How the score loops multiply q by K, kStep elements per vector:
+// FloatDot: float q (pre-scaled) times K loaded through KL (converted to float), FMAs.
+// Bf16Dot (levels with V::kBf16Dot): raw bf16 q (unscaled) and K rows, V::dot_bf16
+// (VDPBF16PS: two exact bf16 products per float lane), 2 * W elements per vector.
+template <class V, class KL>
+struct FloatDot {
+  using vf = typename V::vf;
+  using qelem = float;
+  using kelem = typename KL::elem;
+  static constexpr int kStep = V::W;
+  static vf load_q(const float* p) { return V::load(p); }
+  static vf load_k(const kelem* p) { return KL::load(p); }
+  static vf mul(vf q, vf k) { return V::mul(q, k); }
+  static vf madd(vf acc, vf q, vf k) { return V::fma(q, k, acc); }
+};
+template <class V>
+struct Bf16Dot {
+  using vf = typename V::vf;
+  using qelem = uint16_t;
+  using kelem = uint16_t;
+  static constexpr int kStep = 2 * V::W;
+  static vf load_q(const uint16_t* p) { return V::load_raw(p); }
+  static vf load_k(const uint16_t* p) { return V::load_raw(p); }
+  static vf mul(vf q, vf k) { return V::dot_bf16(V::zero(), q, k); }
+  static vf madd(vf acc, vf q, vf k) { return V::dot_bf16(acc, q, k); }
+};
+
 // Raw scores of RB query rows against the W keys of a tile (rows of kp, stride D; rows past
 // the valid ones are zero padding): ptile[row * W + t] = q_row . k_t. Register block of RB
 // rows x KB = W / RB keys: each K load serves RB rows and each q load KB keys; one
 // transpose-reduce per W scores.
-template <class V, class KL, int RB>
-OLEP_COLD_REGS void scores_rows(const float* qf, int64_t D, const typename KL::elem* kp, const int64_t* rows, float* ptile,
-                        TilePrefetch* pf) {
+template <class V, class Dot, int RB>
+OLEP_COLD_REGS void scores_rows(const typename Dot::qelem* qf, int64_t D, const typename Dot::kelem* kp,
+                                const int64_t* rows, float* ptile, TilePrefetch* pf) {
   using vf = typename V::vf;
-  constexpr int W = V::W, KB = W / RB;
+  constexpr int W = V::W, KB = W / RB, E = Dot::kStep;
   alignas(64) float x[RB][W];  // x[g] lane rr * KB + tt: row rr, key g * KB + tt
   for (int g = 0; g < RB; ++g) {
     vf acc[W];
 #pragma GCC unroll 16
     for (int e = 0; e < W; ++e) acc[e] = V::zero();
-    const typename KL::elem* kg = kp + g * KB * D;
-    for (int64_t d = 0; d < D; d += W) {
+    const typename Dot::kelem* kg = kp + g * KB * D;
+    for (int64_t d = 0; d < D; d += E) {
       pf->step();
       vf kv[KB];
 #pragma GCC unroll 16
-      for (int tt = 0; tt < KB; ++tt) kv[tt] = KL::load(kg + tt * D + d);
+      for (int tt = 0; tt < KB; ++tt) kv[tt] = Dot::load_k(kg + tt * D + d);
 #pragma GCC unroll 4
       for (int rr = 0; rr < RB; ++rr) {
-        const vf qv = V::load(qf + rows[rr] * D + d);
+        const vf qv = Dot::load_q(qf + rows[rr] * D + d);
 #pragma GCC unroll 16
-        for (int tt = 0; tt < KB; ++tt) acc[rr * KB + tt] = V::fma(qv, kv[tt], acc[rr * KB + tt]);
+        for (int tt = 0; tt < KB; ++tt) acc[rr * KB + tt] = Dot::madd(acc[rr * KB + tt], qv, kv[tt]);
       }
     }
     V::store(x[g], V::transpose_reduce(acc));
@@ -271,77 +298,24 @@ OLEP_COLD_REGS void scores_rows(const float* qf, int64_t D, const typename KL::e
 }
 
 // One row against the tile, walking K row by row (sequential addresses).
-template <class V, class KL>
-OLEP_COLD_REGS void scores_row_walk(const float* q, int64_t D, const typename KL::elem* kp, float* out, TilePrefetch* pf) {
+template <class V, class Dot>
+OLEP_COLD_REGS void scores_row_walk(const typename Dot::qelem* q, int64_t D, const typename Dot::kelem* kp, float* out,
+                                    TilePrefetch* pf) {
   using vf = typename V::vf;
-  constexpr int W = V::W;
+  constexpr int W = V::W, E = Dot::kStep;
   vf acc[W];
 #pragma GCC unroll 16
   for (int t = 0; t < W; ++t) {
     pf->step();
-    const typename KL::elem* kr = kp + t * D;
-    vf a0 = V::mul(V::load(q), KL::load(kr));
-    vf a1 = V::zero();
-    int64_t d = W;
-    for (; d + W < D; d += 2 * W) {
-      a1 = V::fma(V::load(q + d), KL::load(kr + d), a1);
-      a0 = V::fma(V::load(q + d + W), KL::load(kr + d + W), a0);
-    }
-    if (d < D) a1 = V::fma(V::load(q + d), KL::load(kr + d), a1);
-    acc[t] = V::add(a0, a1);
-  }
-  V::store(out, V::transpose_reduce(acc));
-}
-
-// bfloat16 scores with V::dot_bf16 (VDPBF16PS, levels with V::kBf16Dot): as scores_rows /
-// scores_row_walk, on raw bf16 q rows (unscaled) and K rows, 2 * W elements per vector.
-template <class V, int RB>
-OLEP_COLD_REGS void scores_rows_dot(const uint16_t* qb, int64_t D, const uint16_t* kp, const int64_t* rows,
-                                    float* ptile, TilePrefetch* pf) {
-  using vf = typename V::vf;
-  constexpr int W = V::W, KB = W / RB, E = 2 * W;
-  alignas(64) float x[RB][W];
-  for (int g = 0; g < RB; ++g) {
-    vf acc[W];
-#pragma GCC unroll 16
-    for (int e = 0; e < W; ++e) acc[e] = V::zero();
-    const uint16_t* kg = kp + g * KB * D;
-    for (int64_t d = 0; d < D; d += E) {
-      pf->step();
-      vf kv[KB];
-#pragma GCC unroll 16
-      for (int tt = 0; tt < KB; ++tt) kv[tt] = V::load_raw(kg + tt * D + d);
-#pragma GCC unroll 4
-      for (int rr = 0; rr < RB; ++rr) {
-        const vf qv = V::load_raw(qb + rows[rr] * D + d);
-#pragma GCC unroll 16
-        for (int tt = 0; tt < KB; ++tt) acc[rr * KB + tt] = V::dot_bf16(acc[rr * KB + tt], qv, kv[tt]);
-      }
-    }
-    V::store(x[g], V::transpose_reduce(acc));
-  }
-  for (int rr = 0; rr < RB; ++rr)
-    for (int g = 0; g < RB; ++g) std::memcpy(ptile + rows[rr] * W + g * KB, &x[g][rr * KB], KB * sizeof(float));
-}
-
-template <class V>
-OLEP_COLD_REGS void scores_row_walk_dot(const uint16_t* q, int64_t D, const uint16_t* kp, float* out,
-                                        TilePrefetch* pf) {
-  using vf = typename V::vf;
-  constexpr int W = V::W, E = 2 * W;
-  vf acc[W];
-#pragma GCC unroll 16
-  for (int t = 0; t < W; ++t) {
-    pf->step();
-    const uint16_t* kr = kp + t * D;
-    vf a0 = V::dot_bf16(V::zero(), V::load_raw(q), V::load_raw(kr));
+    const typename Dot::kelem* kr = kp + t * D;
+    vf a0 = Dot::mul(Dot::load_q(q), Dot::load_k(kr));
     vf a1 = V::zero();
     int64_t d = E;
     for (; d + E < D; d += 2 * E) {
-      a1 = V::dot_bf16(a1, V::load_raw(q + d), V::load_raw(kr + d));
-      a0 = V::dot_bf16(a0, V::load_raw(q + d + E), V::load_raw(kr + d + E));
+      a1 = Dot::madd(a1, Dot::load_q(q + d), Dot::load_k(kr + d));
+      a0 = Dot::madd(a0, Dot::load_q(q + d + E), Dot::load_k(kr + d + E));
     }
-    if (d < D) a1 = V::dot_bf16(a1, V::load_raw(q + d), V::load_raw(kr + d));
+    if (d < D) a1 = Dot::madd(a1, Dot::load_q(q + d), Dot::load_k(kr + d));
     acc[t] = V::add(a0, a1);
   }
   V::store(out, V::transpose_reduce(acc));
@@ -456,15 +430,17 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
         if constexpr (kDotLevel) {
           if (dot) {
             const uint16_t* kb = reinterpret_cast<const uint16_t*>(kp);
-            if (cnt == 4) scores_rows_dot<V, 4>(qb, D, kb, rows, ptile, &pf);
-            else if (cnt >= 2) scores_rows_dot<V, 2>(qb, D, kb, rows, ptile, &pf);
-            else scores_row_walk_dot<V>(qb + rows[0] * D, D, kb, ptile + rows[0] * W, &pf);
+            using Dot = Bf16Dot<V>;
+            if (cnt == 4) scores_rows<V, Dot, 4>(qb, D, kb, rows, ptile, &pf);
+            else if (cnt >= 2) scores_rows<V, Dot, 2>(qb, D, kb, rows, ptile, &pf);
+            else scores_row_walk<V, Dot>(qb + rows[0] * D, D, kb, ptile + rows[0] * W, &pf);
             return;
           }
         }
-        if (cnt == 4) scores_rows<V, KL, 4>(qf, D, kp, rows, ptile, &pf);
-        else if (cnt >= 2) scores_rows<V, KL, 2>(qf, D, kp, rows, ptile, &pf);
-        else scores_row_walk<V, KL>(qf + rows[0] * D, D, kp, ptile + rows[0] * W, &pf);
+        using Dot = FloatDot<V, KL>;
+        if (cnt == 4) scores_rows<V, Dot, 4>(qf, D, kp, rows, ptile, &pf);
+        else if (cnt >= 2) scores_rows<V, Dot, 2>(qf, D, kp, rows, ptile, &pf);
+        else scores_row_walk<V, Dot>(qf + rows[0] * D, D, kp, ptile + rows[0] * W, &pf);
       };
       for (int64_t i = 0; i < valid; ++i)
         for (int64_t h = 0; h < G; ++h) {
