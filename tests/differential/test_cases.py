@@ -418,6 +418,30 @@ def test_c09_lowp_overflow(make_session, make_cache, dtype, scale, mode):
                                    atol=1e-3, err_msg=f"row {i}")
 
 
+# ------------------------------------------------------------- 16-bit caches, grouped heads
+@pytest.mark.parametrize("hq,hkv,d", [(8, 2, 64), (12, 4, 128), (32, 1, 64)],
+                         ids=["gqa4_d64", "gqa3_d128", "mqa32_d64"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_lowp_grouped_heads(make_session, make_cache, dtype, hq, hkv, d):
+    """fp16/bf16 caches with 3, 4 and 32 query heads per KV head and head_dim a multiple of 32:
+    on the avx512_bf16 level the bf16 scores go through VDPBF16PS (row path from 3 rows, lanes
+    path for 32), on the others through converting loads. Prefill 37 rows (several tiles, a
+    partial one), then 3 decode steps, against the float64 reference at 16-bit tolerance."""
+    dt = np_dtype(dtype)
+    rng = np.random.default_rng(hq * 100 + d)
+    B = 2
+    cache = make_cache(1, B, hkv, d, dtype=dtype, max_sequence_length=64)
+    sess = make_session(model(hq, hkv, d, dtype=dtype, is_causal=1))
+    pk, pv = np.zeros((B, hkv, 0, d), dt), np.zeros((B, hkv, 0, d), dt)
+    for S in (37, 1, 1, 1):
+        q = rnd(rng, B, hq, S, d, dtype=dt)
+        k, v = rnd(rng, B, hkv, S, d, dtype=dt), rnd(rng, B, hkv, S, d, dtype=dt)
+        y, _ = step(sess, cache, q, k, v)
+        assert y.dtype == dt
+        assert_close(y, ref_attn(q, k, v, pk, pv)[0], dt, f"S={S} past={pk.shape[2]}")
+        pk, pv = np.concatenate([pk, k], 2), np.concatenate([pv, v], 2)
+
+
 # --------------------------------------------------------------------------------------- C10
 @pytest.mark.parametrize("rank,dv", [(4, 8), (3, 8), (3, 16)])
 def test_c10_default_scale(make_session, make_cache, rank, dv):
