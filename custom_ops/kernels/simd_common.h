@@ -1,0 +1,98 @@
+// SIMD kernel building blocks shared by the row and lanes paths (internal; included only by
+// the per-ISA translation units through attention_simd.h): inlining macros, tanh, K/V row
+// loaders and conversion, the q . k dot policies and the unseen-key marker.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cfloat>
+#include <cstring>
+#include <type_traits>
+
+#include "kernels/attention.h"
+#include "kernels/attention_internal.h"
+
+namespace olep {
+namespace kernels {
+namespace simd {
+
+// The hot helpers below must inline into the tile loops (GCC otherwise outlines some of
+// them once the kernels grow, costing a call and register spills per tile).
+#define OLEP_HOT inline __attribute__((always_inline))
+#define OLEP_COLD_REGS __attribute__((noinline))
+
+template <class V>
+OLEP_HOT typename V::vf tanh_v(typename V::vf y) {
+  // tanh(y) = sign(y) * (1 - e) / (1 + e), e = exp(-2|y|) <= 1 (no overflow).
+  const typename V::vf ay = V::abs(y);
+  const typename V::vf e = V::exp(V::mul(ay, V::set1(-2.0f)));
+  const typename V::vf one = V::set1(1.0f);
+  const typename V::vf t = V::div(V::sub(one, e), V::add(one, e));
+  return V::select(V::nan_bits(y), y, V::copysign(t, y));  // V::exp clamps: keep NaN a NaN
+}
+
+// Rows [0, n) of `cols` elements (storage type t) as float; rows n..rows-1 zero.
+template <class V>
+inline void convert_rows(DType t, const void* src, int64_t n, int64_t cols, int64_t rows, float* dst) {
+  constexpr int W = V::W;
+  if (t == DType::kFloat32) {
+    std::memcpy(dst, src, static_cast<size_t>(n * cols) * sizeof(float));
+  } else {
+    const uint16_t* s = static_cast<const uint16_t*>(src);
+    for (int64_t e = 0; e < n * cols; e += W)
+      V::store(dst + e, t == DType::kFloat16 ? V::load_f16(s + e) : V::load_bf16(s + e));
+  }
+  if (n < rows) std::memset(dst + n * cols, 0, static_cast<size_t>((rows - n) * cols) * sizeof(float));
+}
+
+// How the inner loops read K/V rows of a storage type (converted to float on load).
+template <class V>
+struct LoadF32 {
+  using elem = float;
+  static typename V::vf load(const float* p) { return V::load(p); }
+};
+template <class V>
+struct LoadF16 {
+  using elem = uint16_t;
+  static typename V::vf load(const uint16_t* p) { return V::load_f16(p); }
+};
+template <class V>
+struct LoadBF16 {
+  using elem = uint16_t;
+  static typename V::vf load(const uint16_t* p) { return V::load_bf16(p); }
+};
+
+// How the score loops multiply q by K, kStep elements per vector:
+// FloatDot: float q (pre-scaled) times K loaded through KL (converted to float), FMAs.
+// Bf16Dot (levels with V::kBf16Dot): raw bf16 q (unscaled) and K rows, V::dot_bf16
+// (VDPBF16PS: two exact bf16 products per float lane), 2 * W elements per vector.
+template <class V, class KL>
+struct FloatDot {
+  using vf = typename V::vf;
+  using qelem = float;
+  using kelem = typename KL::elem;
+  static constexpr int kStep = V::W;
+  static vf load_q(const float* p) { return V::load(p); }
+  static vf load_k(const kelem* p) { return KL::load(p); }
+  static vf mul(vf q, vf k) { return V::mul(q, k); }
+  static vf madd(vf acc, vf q, vf k) { return V::fma(q, k, acc); }
+};
+template <class V>
+struct Bf16Dot {
+  using vf = typename V::vf;
+  using qelem = uint16_t;
+  using kelem = uint16_t;
+  static constexpr int kStep = 2 * V::W;
+  static vf load_q(const uint16_t* p) { return V::load_raw(p); }
+  static vf load_k(const uint16_t* p) { return V::load_raw(p); }
+  static vf mul(vf q, vf k) { return V::dot_bf16(V::zero(), q, k); }
+  static vf madd(vf acc, vf q, vf k) { return V::dot_bf16(acc, q, k); }
+};
+
+// Probabilities of keys a row cannot see are stored as -0.0f (kUnseen); a visible key's
+// probability is >= +0.0f (exp may underflow to +0).
+constexpr float kUnseen = -0.0f;
+
+}  // namespace simd
+}  // namespace kernels
+}  // namespace olep

@@ -1,0 +1,104 @@
+// P.V accumulation: weighted V rows into the output accumulators (internal).
+#pragma once
+
+#include "kernels/simd_common.h"
+#include "kernels/simd_tiles.h"
+
+namespace olep {
+namespace kernels {
+namespace simd {
+
+// RB output rows x NU vectors of Dv: o = o * c[row] + sum_t p(t, row) * v[t], with
+// p(t, row) = ptile[t * p_tstride + row * p_rstride]. Each V vector is loaded (and
+// converted) once for the RB rows.
+// Probabilities of keys a row cannot see are stored as -0.0f (kUnseen); a visible key's
+// probability is >= +0.0f (exp may underflow to +0). kSkipZero: skip the unseen (row, key)
+// pairs, for tiles holding keys some row cannot see (masked, causal future of a prefill row,
+// outside the window): their V rows must not reach that row (0 * NaN is NaN), while a visible
+// key whose probability underflowed still does, as in ONNX. Tiles every row sees in full take
+// the plain loop.
+template <class V, class L, int RB, int NU, bool kSkipZero>
+OLEP_HOT void pv_block(float* const* acc, const int64_t* rows, const typename L::elem* v, int64_t v_stride,
+                     const float* ptile, int64_t p_tstride, int64_t p_rstride, int64_t n, const float* corr,
+                     TilePrefetch* pf) {
+  using vf = typename V::vf;
+  constexpr int W = V::W;
+  vf o[RB][NU];
+  const float* pr[RB];
+#pragma GCC unroll 4
+  for (int rr = 0; rr < RB; ++rr) {
+    pr[rr] = ptile + rows[rr] * p_rstride;
+    const vf c = V::set1(corr[rows[rr]]);
+#pragma GCC unroll 8
+    for (int u = 0; u < NU; ++u) o[rr][u] = V::mul(V::load(acc[rr] + u * W), c);
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    pf->step();
+    vf vv[NU];
+#pragma GCC unroll 8
+    for (int u = 0; u < NU; ++u) vv[u] = L::load(v + t * v_stride + u * W);
+#pragma GCC unroll 4
+    for (int rr = 0; rr < RB; ++rr) {
+      const float p = pr[rr][t * p_tstride];
+      if (kSkipZero && p == 0.0f && std::signbit(p)) continue;  // kUnseen
+      const vf pb = V::set1(p);
+#pragma GCC unroll 8
+      for (int u = 0; u < NU; ++u) o[rr][u] = V::fma(pb, vv[u], o[rr][u]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int rr = 0; rr < RB; ++rr)
+#pragma GCC unroll 8
+    for (int u = 0; u < NU; ++u) V::store(acc[rr] + u * W, o[rr][u]);
+}
+
+// pv_block over the whole Dv (a multiple of W) in chunks of 4, 2, 1 vectors.
+template <class V, class L, int RB, bool kSkipZero>
+OLEP_HOT void pv_rows(float* st_acc, const int64_t* rows, int64_t Dv, const typename L::elem* v, const float* ptile,
+                    int64_t p_tstride, int64_t p_rstride, int64_t n, const float* corr, TilePrefetch* pf) {
+  constexpr int W = V::W;
+  float* acc[RB];
+  auto point = [&](int64_t off) {
+    for (int rr = 0; rr < RB; ++rr) acc[rr] = st_acc + rows[rr] * Dv + off;
+  };
+  int64_t d = 0;
+  // Whole 8-vector chunks when the registers allow (RB * 8 accumulators + 8 V vectors):
+  // each V row is then read in one sequential pass, which the stream from DRAM needs.
+  constexpr bool kWide = (W >= 16 && RB <= 2) || RB == 1;
+  if constexpr (kWide) {
+    for (; d + 8 * W <= Dv; d += 8 * W) {
+      point(d);
+      pv_block<V, L, RB, 8, kSkipZero>(acc, rows, v + d, Dv, ptile, p_tstride, p_rstride, n, corr, pf);
+    }
+  }
+  for (; d + 4 * W <= Dv; d += 4 * W) {
+    point(d);
+    pv_block<V, L, RB, 4, kSkipZero>(acc, rows, v + d, Dv, ptile, p_tstride, p_rstride, n, corr, pf);
+  }
+  if (d + 2 * W <= Dv) {
+    point(d);
+    pv_block<V, L, RB, 2, kSkipZero>(acc, rows, v + d, Dv, ptile, p_tstride, p_rstride, n, corr, pf);
+    d += 2 * W;
+  }
+  if (d + W <= Dv) {
+    point(d);
+    pv_block<V, L, RB, 1, kSkipZero>(acc, rows, v + d, Dv, ptile, p_tstride, p_rstride, n, corr, pf);
+  }
+}
+
+// Number of pv_block calls pv_rows<V, L, RB> makes for Dv (each steps the prefetcher once
+// per key).
+template <int W, int RB>
+constexpr int64_t pv_passes(int64_t Dv) {
+  int64_t d = 0, calls = 0;
+  if ((W >= 16 && RB <= 2) || RB == 1)
+    for (; d + 8 * W <= Dv; d += 8 * W) ++calls;
+  for (; d + 4 * W <= Dv; d += 4 * W) ++calls;
+  if (d + 2 * W <= Dv) { ++calls; d += 2 * W; }
+  if (d + W <= Dv) ++calls;
+  return calls;
+}
+
+}  // namespace simd
+}  // namespace kernels
+}  // namespace olep

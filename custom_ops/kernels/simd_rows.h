@@ -1,0 +1,324 @@
+// The row path: one query row per register lane group, scores by register-blocked q . k,
+// online softmax row by row, P.V with the rescale fused (internal). See attention_simd.h.
+#pragma once
+
+#include "kernels/simd_pv.h"
+
+namespace olep {
+namespace kernels {
+namespace simd {
+
+// Raw scores of RB query rows against the W keys of a tile (rows of kp, stride D; rows past
+// the valid ones are zero padding): ptile[row * W + t] = q_row . k_t. Register block of RB
+// rows x KB = W / RB keys: each K load serves RB rows and each q load KB keys; one
+// transpose-reduce per W scores.
+template <class V, class Dot, int RB>
+OLEP_COLD_REGS void scores_rows(const typename Dot::qelem* qf, int64_t D, const typename Dot::kelem* kp,
+                                const int64_t* rows, float* ptile, TilePrefetch* pf) {
+  using vf = typename V::vf;
+  constexpr int W = V::W, KB = W / RB, E = Dot::kStep;
+  alignas(64) float x[RB][W];  // x[g] lane rr * KB + tt: row rr, key g * KB + tt
+  for (int g = 0; g < RB; ++g) {
+    vf acc[W];
+#pragma GCC unroll 16
+    for (int e = 0; e < W; ++e) acc[e] = V::zero();
+    const typename Dot::kelem* kg = kp + g * KB * D;
+    for (int64_t d = 0; d < D; d += E) {
+      pf->step();
+      vf kv[KB];
+#pragma GCC unroll 16
+      for (int tt = 0; tt < KB; ++tt) kv[tt] = Dot::load_k(kg + tt * D + d);
+#pragma GCC unroll 4
+      for (int rr = 0; rr < RB; ++rr) {
+        const vf qv = Dot::load_q(qf + rows[rr] * D + d);
+#pragma GCC unroll 16
+        for (int tt = 0; tt < KB; ++tt) acc[rr * KB + tt] = Dot::madd(acc[rr * KB + tt], qv, kv[tt]);
+      }
+    }
+    V::store(x[g], V::transpose_reduce(acc));
+  }
+  for (int rr = 0; rr < RB; ++rr)
+    for (int g = 0; g < RB; ++g) std::memcpy(ptile + rows[rr] * W + g * KB, &x[g][rr * KB], KB * sizeof(float));
+}
+
+// One row against the tile, walking K row by row (sequential addresses).
+template <class V, class Dot>
+OLEP_COLD_REGS void scores_row_walk(const typename Dot::qelem* q, int64_t D, const typename Dot::kelem* kp, float* out,
+                                    TilePrefetch* pf) {
+  using vf = typename V::vf;
+  constexpr int W = V::W, E = Dot::kStep;
+  vf acc[W];
+#pragma GCC unroll 16
+  for (int t = 0; t < W; ++t) {
+    pf->step();
+    const typename Dot::kelem* kr = kp + t * D;
+    vf a0 = Dot::mul(Dot::load_q(q), Dot::load_k(kr));
+    vf a1 = V::zero();
+    int64_t d = E;
+    for (; d + E < D; d += 2 * E) {
+      a1 = Dot::madd(a1, Dot::load_q(q + d), Dot::load_k(kr + d));
+      a0 = Dot::madd(a0, Dot::load_q(q + d + E), Dot::load_k(kr + d + E));
+    }
+    if (d < D) a1 = Dot::madd(a1, Dot::load_q(q + d), Dot::load_k(kr + d));
+    acc[t] = V::add(a0, a1);
+  }
+  V::store(out, V::transpose_reduce(acc));
+}
+
+// L: how K/V storage is read; kTiles: convert each K/V tile to float once (shared by
+// every query row of the group) instead of converting on every load.
+template <class V, class L, bool kTiles>
+void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, AttentionState* st, float* scratch) {
+  using vf = typename V::vf;
+  using KL = std::conditional_t<kTiles, LoadF32<V>, L>;  // how the loops below load K/V
+  using KE = typename KL::elem;
+  constexpr int W = V::W;
+  const int64_t G = a.group_size, S = a.num_rows, D = a.head_dim, Dv = a.v_head_dim;
+  const int64_t valid = std::min(a.num_valid_rows, S);
+  const int64_t R = G * S;
+  float* qf = scratch;              // [R, D], scaled by `scale` unless softcap is on
+  float* ktile = qf + R * D;        // [W, D]
+  float* vtile = ktile + W * D;     // [W, Dv]
+  float* ptile = vtile + W * Dv;    // [R, W]
+  float* corr = ptile + R * W;      // [R]
+  float* lsum = corr + R;           // [R, W] lane-wise sums of p, folded into st->l at the end
+
+  const bool capped = a.softcap > 0.0f;
+  // bfloat16 q . k by VDPBF16PS (levels that have it, head_dim a multiple of 2 * W, at least
+  // 3 rows per KV head): q rows stay raw bf16 in the qf area, unscaled; the scale multiplies
+  // the finished scores. Measured on Zen 4 (D = 128, from DRAM, time / read time): 4 rows
+  // 1.70 -> 1.42, 3 rows 1.74 -> 1.64; but 2 rows 1.25 -> 1.35 and 1 row 0.95 -> 1.0-1.8
+  // (memory-bound there: the full-line K loads of the dot loop stream worse), so 1-2 rows
+  // keep the converting loads.
+  constexpr bool kDotLevel = V::kBf16Dot && std::is_same<L, LoadBF16<V>>::value && !kTiles;
+  const bool dot = kDotLevel && D % (2 * W) == 0 && G * valid >= 3;
+  uint16_t* qb = reinterpret_cast<uint16_t*>(qf);  // [R, D] raw bf16 when dot
+  if (dot) {
+    for (int64_t h = 0; h < G; ++h)
+      for (int64_t i = 0; i < valid; ++i)
+        std::memcpy(qb + (h * S + i) * D, static_cast<const uint16_t*>(a.q) + h * a.q_head_stride + i * a.q_row_stride,
+                    static_cast<size_t>(D) * sizeof(uint16_t));
+  }
+  const float qscale = capped ? 1.0f : a.scale;
+  for (int64_t h = 0; h < G && !dot; ++h)
+    for (int64_t i = 0; i < valid; ++i) {
+      float* dst = qf + (h * S + i) * D;
+      const int64_t off = h * a.q_head_stride + i * a.q_row_stride;
+      for (int64_t d = 0; d < D; d += W) {
+        vf x;
+        if (a.dtype == DType::kFloat32) x = V::load(static_cast<const float*>(a.q) + off + d);
+        else if (a.dtype == DType::kFloat16) x = V::load_f16(static_cast<const uint16_t*>(a.q) + off + d);
+        else x = V::load_bf16(static_cast<const uint16_t*>(a.q) + off + d);
+        V::store(dst + d, V::mul(x, V::set1(qscale)));
+      }
+    }
+
+  // Keys any row can see.
+  int64_t kmin, kmax;
+  detail::visible_union(a, &kmin, &kmax);
+  kmin = std::max(kmin, key_begin);
+  kmax = std::min(kmax, std::min(key_end, a.num_keys));
+  if (kmin >= kmax) return;
+
+  const float lowest = detail::lowest_of(a.mask.dtype);
+  const size_t es = dtype_size(a.dtype);
+  const MaskView& mk = a.mask;
+  std::fill(lsum, lsum + R * W, 0.0f);
+  TilePrefetch pf;
+  const int64_t row_count = G * valid;
+  // pf.step() calls per tile: score loops, then P.V loops (one per key per row pair and chunk)
+  constexpr int kPvRows = (W >= 16 && !std::is_same<KE, float>::value) ? 4 : 2;
+  const int64_t tile_steps = [&] {
+    const int64_t r4 = row_count / 4, r2 = row_count % 4 / 2, r1 = row_count % 2;
+    const int64_t dsteps = dot ? D / (2 * W) : D / W;  // score-loop iterations per row block
+    const int64_t scores = r4 * 4 * dsteps + r2 * 2 * dsteps + r1 * W;
+    const int64_t pv = (row_count / kPvRows) * W * pv_passes<W, kPvRows>(Dv) + (row_count % kPvRows) * W * pv_passes<W, 1>(Dv);
+    return scores + pv;
+  }();
+
+  for (TileCursor tc{a, kmin, kmax, W, es}; tc.next();) {
+    const int64_t j0 = tc.j0, n = tc.n, b1 = tc.end;
+    const char* krows = tc.krows;
+    const char* vrows = tc.vrows;
+    // Software prefetch of the next tile, spread over this tile's loops, when several rows
+    // share the KV head: their compute is long enough that the hardware prefetchers alone
+    // leave DRAM idle for part of each tile (GQA 32/8 fp32: 1.8x -> 1.07x the read limit).
+    // One row (MHA) walks K sequentially and the hardware prefetchers keep up; software
+    // prefetch measured slower there.
+    pf.reset(nullptr, 0, nullptr, 0, 1);
+    if (row_count >= 2) pf.reset_next(krows, vrows, j0, b1, W, D * es, Dv * es, tile_steps);
+    const KE* kp;
+    const KE* vp;
+    if constexpr (kTiles) {
+      convert_rows<V>(a.dtype, krows, n, D, W, ktile);
+      convert_rows<V>(a.dtype, vrows, n, Dv, W, vtile);
+      kp = ktile;
+      vp = vtile;
+    } else {
+      if (n == W) {
+        kp = reinterpret_cast<const KE*>(krows);
+      } else {  // partial tile: K rows n..W-1 must not be read; pad with zeros
+        KE* raw = reinterpret_cast<KE*>(ktile);
+        std::memcpy(raw, krows, static_cast<size_t>(n * D) * sizeof(KE));
+        std::memset(raw + n * D, 0, static_cast<size_t>((W - n) * D) * sizeof(KE));
+        kp = raw;
+      }
+      vp = reinterpret_cast<const KE*>(vrows);  // only rows < n are read
+    }
+
+    // ---- raw scores of every row, RB rows x W keys per register block ----
+    {
+      int64_t rows[4];
+      int nr = 0;
+      auto flush = [&](int cnt) {
+        if constexpr (kDotLevel) {
+          if (dot) {
+            const uint16_t* kb = reinterpret_cast<const uint16_t*>(kp);
+            using Dot = Bf16Dot<V>;
+            if (cnt == 4) scores_rows<V, Dot, 4>(qb, D, kb, rows, ptile, &pf);
+            else if (cnt >= 2) scores_rows<V, Dot, 2>(qb, D, kb, rows, ptile, &pf);
+            else scores_row_walk<V, Dot>(qb + rows[0] * D, D, kb, ptile + rows[0] * W, &pf);
+            return;
+          }
+        }
+        using Dot = FloatDot<V, KL>;
+        if (cnt == 4) scores_rows<V, Dot, 4>(qf, D, kp, rows, ptile, &pf);
+        else if (cnt >= 2) scores_rows<V, Dot, 2>(qf, D, kp, rows, ptile, &pf);
+        else scores_row_walk<V, Dot>(qf + rows[0] * D, D, kp, ptile + rows[0] * W, &pf);
+      };
+      for (int64_t i = 0; i < valid; ++i)
+        for (int64_t h = 0; h < G; ++h) {
+          rows[nr++] = h * S + i;
+          if (nr == 4) {
+            flush(nr);
+            nr = 0;
+          }
+        }
+      // Left-over rows: pairs, then one row walking K row by row (MHA decode: sequential
+      // addresses the hardware prefetchers follow; column-wise measured 1.6x slower).
+      while (nr > 0) {
+        const int cnt = nr >= 2 ? 2 : 1;
+        flush(cnt);
+        for (int k = cnt; k < nr; ++k) rows[k - cnt] = rows[k];
+        nr -= cnt;
+      }
+    }
+
+    // ---- online softmax, row by row ----
+    bool any = false;
+    bool all_seen = true;  // every row sees every key of the tile
+    const unsigned tile_bits = n >= 32 ? ~0u : ((1u << n) - 1u);
+    for (int64_t i = 0; i < valid; ++i) {
+      int64_t lo, hi;
+      detail::visible_range(a, i, &lo, &hi);
+      const unsigned range = V::key_range(j0, std::max(lo, j0), std::min(hi, j0 + n));
+      for (int64_t h = 0; h < G; ++h) {
+        const int64_t r = h * S + i;
+        float* prow = ptile + r * W;
+        unsigned live = range;
+        vf bias = V::zero();
+        if (live && mk.kind != MaskKind::kNone) {
+          const int64_t mo = h * mk.head_stride + i * mk.row_stride + j0 * mk.key_stride;
+          if (mk.kind == MaskKind::kBool) {
+            if (mk.key_stride == 1) {
+              live &= V::bool_bits(static_cast<const uint8_t*>(mk.data) + mo, n);
+            } else {
+              const bool on = static_cast<const uint8_t*>(mk.data)[mo] != 0;
+              if (!on) live = 0;
+            }
+          } else {
+            alignas(64) float bb[W];
+            if (mk.key_stride == 1 && mk.dtype == DType::kFloat32 && n == W) {
+              std::memcpy(bb, static_cast<const float*>(mk.data) + mo, sizeof(bb));
+            } else {
+              for (int t = 0; t < W; ++t)
+                bb[t] = t < n ? detail::load(mk.dtype, mk.data, mo + t * mk.key_stride) : 0.0f;
+            }
+            bias = V::load(bb);
+            live &= ~V::le_bits(bias, lowest);  // NaN biases stay live and make the row NaN
+          }
+        }
+        if (live != tile_bits) all_seen = false;
+        if (!live) {
+          corr[r] = 1.0f;
+          std::fill(prow, prow + W, kUnseen);
+          continue;
+        }
+        vf s = V::load(prow);
+        if (dot && !capped) s = V::mul(s, V::set1(a.scale));  // dot scores are unscaled
+        if (capped) {
+          const vf x = V::mul(s, V::set1(a.scale));
+          s = V::mul(V::set1(a.softcap), tanh_v<V>(V::mul(x, V::set1(1.0f / a.softcap))));
+        }
+        s = V::add(s, bias);
+        // NaN or +inf in a visible score (from q, k or the mask): the row's result is NaN, as
+        // ONNX Attention's softmax gives (max = +inf, inf - inf = NaN).
+        if (~V::le_bits(s, FLT_MAX) & live) {
+          st->l[r] = NAN;
+          corr[r] = 1.0f;
+          std::fill(prow, prow + W, kUnseen);
+          continue;
+        }
+        live &= ~V::le_bits(s, -INFINITY);  // a -inf score contributes nothing (scalar level too)
+        if (live != tile_bits) all_seen = false;
+        if (!live) {
+          corr[r] = 1.0f;
+          std::fill(prow, prow + W, kUnseen);
+          continue;
+        }
+        // The max moves (horizontal max, scalar exp, rescale of acc and l) only in tiles where
+        // a visible score exceeds it, a few tiles per row in practice (for i.i.d. scores about
+        // ln(tiles)); other tiles add exp(s - m) <= 1 to lane-wise sums (lsum), folded into
+        // l at the end of the call. (A reference allowed to lag the max, as some GPU kernels
+        // do, would let p reach e^lag and overflow acc for |v| > FLT_MAX / e^lag; an exact max
+        // keeps acc within the scalar level's range.)
+        float m_ref = st->m[r];
+        float c = 1.0f;
+        if (V::gt_bits(s, m_ref) & live) {
+          const float m_new = std::max(m_ref, V::reduce_max(V::select(live, s, V::set1(-INFINITY))));
+          c = std::exp(m_ref - m_new);
+          st->l[r] *= c;
+          V::store(lsum + r * W, V::mul(V::load(lsum + r * W), V::set1(c)));
+          st->m[r] = m_ref = m_new;
+        }
+        const vf p = V::select(live, V::exp(V::sub(s, V::set1(m_ref))), V::set1(kUnseen));
+        V::store(lsum + r * W, V::add(V::load(lsum + r * W), p));
+        corr[r] = c;
+        V::store(prow, p);
+        any = true;
+      }
+    }
+    if (!any) continue;
+
+    // ---- weighted V accumulation, rescale fused; RB rows per V load ----
+    {
+      // 16-bit K/V: 4 rows per V load, so each V vector is converted once per 4 rows
+      // (measured 5% faster for GQA 32/8 fp16); float32: 2 rows with whole-row chunks.
+      constexpr int RB = kPvRows;
+      int64_t rows[RB];
+      int nr = 0;
+      for (int64_t i = 0; i < valid; ++i)
+        for (int64_t h = 0; h < G; ++h) {
+          rows[nr++] = h * S + i;
+          if (nr == RB) {
+            if (all_seen) pv_rows<V, KL, RB, false>(st->acc, rows, Dv, vp, ptile, 1, W, n, corr, &pf);
+            else pv_rows<V, KL, RB, true>(st->acc, rows, Dv, vp, ptile, 1, W, n, corr, &pf);
+            nr = 0;
+          }
+        }
+      for (int k = 0; k < nr; ++k) {
+        if (all_seen) pv_rows<V, KL, 1, false>(st->acc, rows + k, Dv, vp, ptile, 1, W, n, corr, &pf);
+        else pv_rows<V, KL, 1, true>(st->acc, rows + k, Dv, vp, ptile, 1, W, n, corr, &pf);
+      }
+    }
+  }
+  for (int64_t i = 0; i < valid; ++i)
+    for (int64_t h = 0; h < G; ++h) {
+      const int64_t r = h * S + i;
+      st->l[r] += V::reduce_add(V::load(lsum + r * W));
+    }
+}
+
+}  // namespace simd
+}  // namespace kernels
+}  // namespace olep
