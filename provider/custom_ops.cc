@@ -101,8 +101,7 @@ struct CacheExportKernel {
       if (!has_output(ctx, 1))
         throw std::invalid_argument("CacheExport: outputs 'present_key' and 'present_value' are required");
       ops::cache_export(layer, cache, [&](const std::vector<int64_t>& ks, const std::vector<int64_t>& vs, DType dt) {
-        const ops::ElemType want = dt == DType::kFloat32 ? ops::ElemType::kFloat32
-                                   : dt == DType::kFloat16 ? ops::ElemType::kFloat16 : ops::ElemType::kBFloat16;
+        const ops::ElemType want = ops::elem_type_of(dt);
         ops::ElemType got_k, got_v;
         void* kd = alloc_output(ctx, 0, ks, &got_k);
         void* vd = alloc_output(ctx, 1, vs, &got_v);

@@ -514,13 +514,22 @@ void KVCache::finish_layer_append(int64_t layer) {
   abandoned_repeats_ = 0;
 }
 
-int64_t KVCache::blocks(int64_t layer, int64_t b, int64_t h, int64_t length, KVBlock* out, int64_t max_blocks) const {
-  if (max_blocks < 1 || length <= 0) return 0;
-  out[0].key = key_block(layer, b, h);
-  out[0].value = value_block(layer, b, h);
-  out[0].first_position = 0;
-  out[0].num_rows = length;
-  return 1;
+void KVCache::block_list(int64_t layer, const std::vector<int64_t>& num_keys, BlockList* out) const {
+  out->blocks.clear();
+  out->offsets.assign(1, 0);
+  for (int64_t b = 0; b < g_.batch_size; ++b)
+    for (int64_t h = 0; h < g_.kv_num_heads; ++h) {
+      const int64_t n = num_keys[static_cast<size_t>(b)];
+      if (n > 0) {
+        KVBlock blk;
+        blk.key = key_block(layer, b, h);
+        blk.value = value_block(layer, b, h);
+        blk.first_position = 0;
+        blk.num_rows = n;
+        out->blocks.push_back(blk);
+      }
+      out->offsets.push_back(static_cast<int64_t>(out->blocks.size()));
+    }
 }
 
 // ---------------------------------------------------------------------------

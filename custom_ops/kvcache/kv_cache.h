@@ -11,7 +11,7 @@
 //
 // Appending n rows writes exactly n rows per (layer, sequence, head): cost is
 // O(n), never O(cached length). Attention reads rows where they lie through
-// `blocks()` (one block per (layer, sequence, head) today; paged and
+// `block_list()` (one block per (layer, sequence, head) today; paged and
 // quantized storage will yield more blocks through the same call).
 //
 // Steps. A model run appends one "step" of S rows (n_b <= S valid rows per
@@ -113,7 +113,7 @@ class KVCache {
 
   // ---- Op-facing: one layer's part of a step ----
   // Usage (see ops/cache_attention.cc): lock(), begin_layer_append(...), append_rows(...),
-  // read blocks() and attend, finish_layer_append(), unlock. All under the returned lock.
+  // read block_list() and attend, finish_layer_append(), unlock. All under the returned lock.
   std::unique_lock<std::mutex> lock() const { return std::unique_lock<std::mutex>(mu_); }
   /// Checks and opens layer `layer` of the current step for `num_new` rows per sequence
   /// (step length S). Throws (std::invalid_argument / std::runtime_error) before any write if
@@ -125,8 +125,9 @@ class KVCache {
   void append_rows(int64_t layer, const NewRows& rows);
   /// Marks `layer` done; commits the step when it is the last layer.
   void finish_layer_append(int64_t layer);
-  /// The blocks holding positions [0, length) of (layer, b, h). Caller holds the lock.
-  int64_t blocks(int64_t layer, int64_t b, int64_t h, int64_t length, KVBlock* out, int64_t max_blocks) const;
+  /// The blocks holding positions [0, num_keys[b]) of every (b, h) of `layer`, including the
+  /// calling thread's rows of the open step. Caller holds the lock; pointers stay valid while it does.
+  void block_list(int64_t layer, const std::vector<int64_t>& num_keys, BlockList* out) const;
 
   /// Discards a partial step owned by the calling thread (used at the start of a run).
   void discard_step_of_current_thread();

@@ -46,16 +46,6 @@ float* thread_scratch(size_t floats) {
 
 }  // namespace
 
-bool is_float(ElemType t) { return t == ElemType::kFloat32 || t == ElemType::kFloat16 || t == ElemType::kBFloat16; }
-
-DType to_dtype(ElemType t) {
-  switch (t) {
-    case ElemType::kFloat16: return DType::kFloat16;
-    case ElemType::kBFloat16: return DType::kBFloat16;
-    default: return DType::kFloat32;
-  }
-}
-
 // Element strides (batch, head, sequence) of a rank-3 [B, S, H*D] or rank-4 [B, H, S, D] tensor.
 void layout_strides(int64_t rank, int64_t H, int64_t S, int64_t D, int64_t out[3]) {
   if (rank == 4) {
@@ -147,7 +137,7 @@ MaskSpec parse_mask(const char* op, const Tensor& mask_t, const AttentionDims& d
     mask_base.kind = kernels::MaskKind::kBool;
   } else if (is_float(mask->type)) {
     mask_base.kind = kernels::MaskKind::kAdditive;
-    mask_base.dtype = to_dtype(mask->type);
+    mask_base.dtype = to_dtype(mask->type, "input 'attn_mask'");
   } else {
     fail(std::string("input 'attn_mask' must be bool or a float type; got ") + elem_type_name(mask->type));
   }
@@ -170,6 +160,29 @@ MaskSpec parse_mask(const char* op, const Tensor& mask_t, const AttentionDims& d
   return spec;
 }
 
+BlockList dense_blocks(int64_t batch, int64_t kv_heads, const void* key, const void* value, int64_t capacity,
+                       size_t k_row_bytes, size_t v_row_bytes, const std::vector<int64_t>& first,
+                       const std::vector<int64_t>& rows) {
+  BlockList out;
+  out.offsets.reserve(static_cast<size_t>(batch * kv_heads + 1));
+  out.offsets.push_back(0);
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      const int64_t n = rows[static_cast<size_t>(b)], f = first[static_cast<size_t>(b)];
+      if (n > 0) {
+        const size_t row = static_cast<size_t>((b * kv_heads + h) * capacity + f);
+        KVBlock blk;
+        blk.key = static_cast<const char*>(key) + row * k_row_bytes;
+        blk.value = static_cast<const char*>(value) + row * v_row_bytes;
+        blk.first_position = f;
+        blk.num_rows = n;
+        out.blocks.push_back(blk);
+      }
+      out.offsets.push_back(static_cast<int64_t>(out.blocks.size()));
+    }
+  return out;
+}
+
 void run_attention(const AttentionCall& c, const ParallelFor& parallel_for) {
   const AttentionDims& d = c.d;
   const int64_t G = d.q_heads / d.kv_heads;
@@ -183,10 +196,11 @@ void run_attention(const AttentionCall& c, const ParallelFor& parallel_for) {
   for (int64_t b = 0; b < d.batch; ++b) max_keys = std::max(max_keys, c.num_keys[static_cast<size_t>(b)]);
   const Plan plan = make_plan(d, max_keys);
   const MaskSpec* mask = c.mask;
-  constexpr int64_t kMaxBlocks = 1;
+  if (static_cast<int64_t>(c.blocks.offsets.size()) != d.batch * d.kv_heads + 1)
+    throw std::logic_error("run_attention: block list does not cover every (sequence, kv head)");
 
   // Describes work item (b, h, qb) without its key range.
-  auto group = [&](int64_t b, int64_t h, int64_t qb, KVBlock* blocks) {
+  auto group = [&](int64_t b, int64_t h, int64_t qb) {
     const int64_t i0 = qb * plan.rows_per_block;
     const int64_t rows = std::min(plan.rows_per_block, d.seq - i0);
     const int64_t n_keys = c.num_keys[static_cast<size_t>(b)];
@@ -203,8 +217,9 @@ void run_attention(const AttentionCall& c, const ParallelFor& parallel_for) {
     ag.num_valid_rows = std::max<int64_t>(0, std::min(c.num_valid_rows[static_cast<size_t>(b)] - i0, rows));
     ag.q_offset = c.q_offset[static_cast<size_t>(b)] + i0;
     ag.num_keys = n_keys;
-    ag.num_blocks = c.blocks(b, h, n_keys, blocks, kMaxBlocks);
-    ag.blocks = blocks;
+    const size_t bh = static_cast<size_t>(b * d.kv_heads + h);
+    ag.blocks = c.blocks.blocks.data() + c.blocks.offsets[bh];
+    ag.num_blocks = c.blocks.offsets[bh + 1] - c.blocks.offsets[bh];
     ag.head_dim = d.head_dim;
     ag.v_head_dim = d.v_head_dim;
     ag.scale = scale;
@@ -228,11 +243,7 @@ void run_attention(const AttentionCall& c, const ParallelFor& parallel_for) {
   const int64_t groups = d.batch * d.kv_heads * plan.num_qblocks;
   const int64_t items = groups * plan.num_splits;
   // One state per item when splitting; otherwise states live in thread scratch.
-  kernels::AttentionGroup probe;
-  {
-    KVBlock tmp[kMaxBlocks];
-    probe = group(0, 0, 0, tmp);
-  }
+  const kernels::AttentionGroup probe = group(0, 0, 0);
   const int64_t state_floats = kernels::state_floats(probe);
   std::vector<float> states(plan.num_splits > 1 ? static_cast<size_t>(items * state_floats) : 0);
 
@@ -242,8 +253,7 @@ void run_attention(const AttentionCall& c, const ParallelFor& parallel_for) {
     const int64_t qb = g % plan.num_qblocks;
     const int64_t bh = g / plan.num_qblocks;
     const int64_t b = bh / d.kv_heads, h = bh % d.kv_heads;
-    KVBlock blocks[kMaxBlocks];
-    const kernels::AttentionGroup ag = group(b, h, qb, blocks);
+    const kernels::AttentionGroup ag = group(b, h, qb);
     const size_t scratch = static_cast<size_t>(kernels::scratch_floats(ag));
     float* buf = thread_scratch(scratch + static_cast<size_t>(kernels::state_floats(ag)));
     float* st_buf = plan.num_splits > 1 ? states.data() + item * state_floats : buf + scratch;
@@ -257,8 +267,7 @@ void run_attention(const AttentionCall& c, const ParallelFor& parallel_for) {
   auto merge = [&](int64_t g) {
     const int64_t qb = g % plan.num_qblocks;
     const int64_t bh = g / plan.num_qblocks;
-    KVBlock blocks[kMaxBlocks];
-    const kernels::AttentionGroup ag = group(bh / d.kv_heads, bh % d.kv_heads, qb, blocks);
+    const kernels::AttentionGroup ag = group(bh / d.kv_heads, bh % d.kv_heads, qb);
     kernels::AttentionState dst;
     dst.m = states.data() + g * plan.num_splits * state_floats;
     const int64_t R = ag.group_size * ag.num_rows;

@@ -37,9 +37,6 @@ std::vector<int64_t> output_shape(const AttentionDims& d);
 /// Element strides (batch, head, sequence) of a rank-3 [B, S, H*D] or rank-4 [B, H, S, D] tensor.
 void layout_strides(int64_t rank, int64_t H, int64_t S, int64_t D, int64_t out[3]);
 
-bool is_float(ElemType t);
-DType to_dtype(ElemType t);
-
 /// attn_mask broadcast (numpy rules, right-aligned, rank 2-4) to [B, Hq, S, T]:
 /// the view for batch 0 plus the batch stride. The last dim must be 1 or >= min_keys.
 struct MaskSpec {
@@ -48,6 +45,12 @@ struct MaskSpec {
   size_t elem_size = 0;
 };
 MaskSpec parse_mask(const char* op, const Tensor& mask, const AttentionDims& d, int64_t min_keys);
+
+/// One block per (b, h) of dense BNSH buffers key [batch, kv_heads, capacity, *] and value
+/// [batch, kv_heads, capacity, *] (row sizes in bytes): positions [first[b], first[b] + rows[b]).
+BlockList dense_blocks(int64_t batch, int64_t kv_heads, const void* key, const void* value, int64_t capacity,
+                       size_t k_row_bytes, size_t v_row_bytes, const std::vector<int64_t>& first,
+                       const std::vector<int64_t>& rows);
 
 /// One attention over K/V that lives in blocks (a cache, or past/present tensors).
 struct AttentionCall {
@@ -63,8 +66,7 @@ struct AttentionCall {
   std::vector<int64_t> num_keys;        // [B] keys [0, num_keys) exist
   std::vector<int64_t> num_valid_rows;  // [B] query rows >= this are padding (zeros)
   const MaskSpec* mask = nullptr;
-  /// Blocks holding positions [0, n) of (b, kv head h); returns the count written (<= max).
-  std::function<int64_t(int64_t b, int64_t h, int64_t n, KVBlock* out, int64_t max)> blocks;
+  BlockList blocks;  // covers positions [0, num_keys[b]) of every (b, h), or the part that exists
 };
 
 /// Runs `c` over work items (sequence, kv head, query block, KV split) through

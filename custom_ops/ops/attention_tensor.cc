@@ -70,7 +70,7 @@ OnnxAttentionShapes onnx_attention_shapes(const OnnxAttentionAttrs& a, const Onn
 void onnx_attention(const OnnxAttentionAttrs& a, const OnnxAttentionInputs& in, const OnnxAttentionShapes& s, void* y,
                     void* present_key, void* present_value, const ParallelFor& parallel_for) {
   const AttentionDims& d = s.d;
-  const DType dt = to_dtype(in.q->type);
+  const DType dt = to_dtype(in.q->type, "Attention: input 'Q'");
   const size_t es = dtype_size(dt);
   const int64_t key_seq = s.total - s.past;
   std::vector<char> scratch_k, scratch_v;
@@ -140,18 +140,8 @@ void onnx_attention(const OnnxAttentionAttrs& a, const OnnxAttentionInputs& in, 
     mask = parse_mask("Attention", *in.attn_mask, d, max_keys);
     call.mask = &mask;
   }
-  const char* kbase = static_cast<const char*>(present_key);
-  const char* vbase = static_cast<const char*>(present_value);
-  const int64_t T = s.total, H = d.kv_heads;
-  call.blocks = [=](int64_t b, int64_t h, int64_t n, KVBlock* out, int64_t max) -> int64_t {
-    if (max < 1 || n <= 0) return 0;
-    const size_t bh = static_cast<size_t>(b * H + h);
-    out[0].key = kbase + bh * static_cast<size_t>(T) * pk_row;
-    out[0].value = vbase + bh * static_cast<size_t>(T) * pv_row;
-    out[0].first_position = 0;
-    out[0].num_rows = n;
-    return 1;
-  };
+  call.blocks = dense_blocks(d.batch, d.kv_heads, present_key, present_value, s.total, pk_row, pv_row,
+                             std::vector<int64_t>(static_cast<size_t>(d.batch), 0), call.num_keys);
   run_attention(call, parallel_for);
 }
 

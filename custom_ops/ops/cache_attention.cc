@@ -67,7 +67,7 @@ void cache_attention_impl(const CacheAttentionAttrs& a, const Tensor& query, con
   validate(a);
   const AttentionDims d = resolve_dims("CacheAttention", a.q_num_heads, a.kv_num_heads, query, key, value);
   const CacheGeometry& g = cache->geometry();
-  const DType dt = to_dtype(query.type);
+  const DType dt = to_dtype(query.type, "CacheAttention: input 'query'");
   if (g.dtype != dt)
     fail(std::string("input 'cache' stores ") + dtype_name(g.dtype) + " but 'query' is " + elem_type_name(query.type));
   if (g.kv_num_heads != d.kv_heads)
@@ -139,11 +139,7 @@ void cache_attention_impl(const CacheAttentionAttrs& a, const Tensor& query, con
   for (int64_t b = 0; b < d.batch; ++b)
     call.num_keys[static_cast<size_t>(b)] = past[static_cast<size_t>(b)] + num_new[static_cast<size_t>(b)];
   call.mask = mask ? &mask_spec : nullptr;
-  const int64_t layer = a.layer;
-  const KVCache& cref = *cache;
-  call.blocks = [&cref, layer](int64_t b, int64_t h, int64_t n, KVBlock* out, int64_t max) {
-    return cref.blocks(layer, b, h, n, out, max);
-  };
+  cache->block_list(a.layer, call.num_keys, &call.blocks);
   run_attention(call, parallel_for);
   cache->finish_layer_append(a.layer);
 }

@@ -163,7 +163,7 @@ GqaShapes gqa_shapes(const GqaAttrs& a, const GqaInputs& in) {
 
 void gqa_attention(const GqaAttrs& a, const GqaInputs& in, const GqaShapes& s, void* output, void* present_key,
                    void* present_value, const ParallelFor& parallel_for) {
-  const DType dt = to_dtype(in.query->type);
+  const DType dt = to_dtype(in.query->type, "GroupQueryAttention: input 'query'");
   const size_t es = dtype_size(dt);
   const int64_t B = s.batch, S = s.seq, D = s.head_dim, Hq = a.num_heads, Hkv = a.kv_num_heads, L = s.present_length;
   const size_t row = static_cast<size_t>(D) * es;
@@ -276,15 +276,7 @@ void gqa_attention(const GqaAttrs& a, const GqaInputs& in, const GqaShapes& s, v
   if (fix_padding)
     for (int64_t b = 0; b < B; ++b)
       call.num_valid_rows[static_cast<size_t>(b)] = std::min(S, s.total[static_cast<size_t>(b)]);
-  call.blocks = [=](int64_t b, int64_t h, int64_t n, KVBlock* out, int64_t max) -> int64_t {
-    if (max < 1 || n <= 0) return 0;
-    const size_t off = static_cast<size_t>((b * Hkv + h) * L) * row;
-    out[0].key = pk + off;
-    out[0].value = pv + off;
-    out[0].first_position = 0;
-    out[0].num_rows = n;
-    return 1;
-  };
+  call.blocks = dense_blocks(B, Hkv, pk, pv, L, row, row, std::vector<int64_t>(static_cast<size_t>(B), 0), s.total);
   run_attention(call, parallel_for);
   if (!fix_padding) return;
 
@@ -304,15 +296,8 @@ void gqa_attention(const GqaAttrs& a, const GqaInputs& in, const GqaShapes& s, v
     pad.q_offset = {0};
     pad.num_keys = {T};
     pad.num_valid_rows = {S - T};
-    pad.blocks = [=](int64_t, int64_t h, int64_t n, KVBlock* out, int64_t max) -> int64_t {
-      if (max < 1 || n <= lo) return 0;
-      const size_t off = static_cast<size_t>((b * Hkv + h) * L + lo) * row;
-      out[0].key = pk + off;
-      out[0].value = pv + off;
-      out[0].first_position = lo;
-      out[0].num_rows = n - lo;
-      return 1;
-    };
+    const size_t seq_off = static_cast<size_t>(b * Hkv * L) * row;
+    pad.blocks = dense_blocks(1, Hkv, pk + seq_off, pv + seq_off, L, row, row, {lo}, {T - lo});
     run_attention(pad, parallel_for);
   }
 }

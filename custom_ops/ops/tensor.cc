@@ -18,6 +18,27 @@ const char* elem_type_name(ElemType t) {
   }
 }
 
+bool is_float(ElemType t) { return t == ElemType::kFloat32 || t == ElemType::kFloat16 || t == ElemType::kBFloat16; }
+
+DType to_dtype(ElemType t, const char* what) {
+  switch (t) {
+    case ElemType::kFloat32: return DType::kFloat32;
+    case ElemType::kFloat16: return DType::kFloat16;
+    case ElemType::kBFloat16: return DType::kBFloat16;
+    default:
+      throw std::invalid_argument(std::string(what) + " must be float, float16 or bfloat16; got " + elem_type_name(t));
+  }
+}
+
+ElemType elem_type_of(DType t) {
+  switch (t) {
+    case DType::kFloat32: return ElemType::kFloat32;
+    case DType::kFloat16: return ElemType::kFloat16;
+    case DType::kBFloat16: return ElemType::kBFloat16;
+  }
+  return ElemType::kOther;
+}
+
 std::string shape_str(const std::vector<int64_t>& s) {
   std::string out = "[";
   for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);

@@ -16,6 +16,14 @@ enum class ElemType { kFloat32, kFloat16, kBFloat16, kBool, kInt32, kInt64, kOth
 
 const char* elem_type_name(ElemType t);
 
+/// True for the attention element types (float, float16, bfloat16).
+bool is_float(ElemType t);
+/// The DType of a float element type. Throws std::invalid_argument("<what>: ... got <type>")
+/// for any other type (never a silent float32).
+DType to_dtype(ElemType t, const char* what);
+/// The element type of a DType.
+ElemType elem_type_of(DType t);
+
 /// A read-only tensor: element type, shape, row-major contiguous data.
 struct Tensor {
   ElemType type = ElemType::kOther;
