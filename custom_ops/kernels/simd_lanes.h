@@ -93,10 +93,10 @@ void attend_lanes(const AttentionGroup& a, int64_t key_begin, int64_t key_end, A
                              (G * valid % RB) * pv_passes<W, 1>(Dv) * TK;
 
   for (TileCursor tc{a, kmin, kmax, TK, es}; tc.next();) {
-    const int64_t j0 = tc.j0, n = tc.n, b1 = tc.end;
+    const int64_t j0 = tc.j0, n = tc.n;
     const char* krows = tc.krows;
     const char* vrows = tc.vrows;
-    pf.reset_next(krows, vrows, j0, b1, TK, D * es, Dv * es, lane_steps);  // spread over this tile's loops
+    pf.reset_next(tc, D * es, Dv * es, lane_steps);  // spread over this tile's loops
     const float* kp = nullptr;
     const uint16_t* kraw = nullptr;  // dot: raw bf16 K rows
     const float* vp;

@@ -137,7 +137,7 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
   }();
 
   for (TileCursor tc{a, kmin, kmax, W, es}; tc.next();) {
-    const int64_t j0 = tc.j0, n = tc.n, b1 = tc.end;
+    const int64_t j0 = tc.j0, n = tc.n;
     const char* krows = tc.krows;
     const char* vrows = tc.vrows;
     // Software prefetch of the next tile, spread over this tile's loops, when several rows
@@ -146,7 +146,7 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
     // One row (MHA) walks K sequentially and the hardware prefetchers keep up; software
     // prefetch measured slower there.
     pf.reset(nullptr, 0, nullptr, 0, 1);
-    if (row_count >= 2) pf.reset_next(krows, vrows, j0, b1, W, D * es, Dv * es, tile_steps);
+    if (row_count >= 2) pf.reset_next(tc, D * es, Dv * es, tile_steps);
     const KE* kp;
     const KE* vp;
     if constexpr (kTiles) {

@@ -33,11 +33,14 @@ struct TilePrefetch {
     const int64_t lines = (kb + vb + 63) / 64;
     per_step = 64 * std::max<int64_t>(1, (lines + steps - 1) / std::max<int64_t>(steps, 1));
   }
-  // The `tile` rows after the tile starting at j0 (clamped to the block's last row `end`).
-  void reset_next(const char* krows, const char* vrows, int64_t j0, int64_t end, int64_t tile, int64_t k_row_bytes,
-                  int64_t v_row_bytes, int64_t steps) {
-    const int64_t n = std::max<int64_t>(0, std::min<int64_t>(tile, end - j0 - tile));
-    reset(krows + tile * k_row_bytes, n * k_row_bytes, vrows + tile * v_row_bytes, n * v_row_bytes, steps);
+  // The tile after the cursor's current one (TileCursor::peek), possibly in the next block.
+  template <class Cursor>
+  void reset_next(const Cursor& tc, int64_t k_row_bytes, int64_t v_row_bytes, int64_t steps) {
+    const char* nk = nullptr;
+    const char* nv = nullptr;
+    int64_t rows = 0;
+    tc.peek(&nk, &nv, &rows);
+    reset(nk, rows * k_row_bytes, nv, rows * v_row_bytes, steps);
   }
   void step() {
     const int64_t end = std::min(done + per_step, k_bytes + v_bytes);
@@ -48,10 +51,14 @@ struct TilePrefetch {
   }
 };
 
-// Walks the tiles of up to `tile` keys in [kmin, kmax), block by block. After next() returns
-// true: j0 = first key, n = keys in the tile, end = the block's last key in range (exclusive),
-// krows / vrows = row j0 of the block's K / V storage. (A plain loop, not a callback: a lambda
-// body sees its captures through a pointer, which measured 20% slower for MQA.)
+// Walks the tiles of up to `tile` keys in [kmin, kmax), block by block. Tiles lie on the global
+// grid of `tile` positions (a tile ends at the next multiple of `tile`), so with blocks that start
+// on the grid (pages of a multiple of 32 positions) only the first tile of a call and the last of
+// the range can be partial: page ends never split a tile. After next() returns true: j0 = first
+// key, n = keys in the tile, end = the block's last key in range (exclusive), krows / vrows = row
+// j0 of the block's K / V storage. peek() gives the following tile (in this block or the next),
+// for the prefetcher to cross page ends. (A plain loop, not a callback: a lambda body sees its
+// captures through a pointer, which measured 20% slower for MQA.)
 struct TileCursor {
   const AttentionGroup& a;
   int64_t kmin, kmax, tile;
@@ -59,23 +66,51 @@ struct TileCursor {
   int64_t blk = -1, j0 = 0, n = 0, end = 0;
   const char* krows = nullptr;
   const char* vrows = nullptr;
-  bool next() {
-    if (blk >= 0 && j0 + tile < end) {
-      j0 += tile;
+
+  // The tile after (blk, j0, n) or the first one when blk < 0: false when there is none.
+  bool locate(int64_t* b, int64_t* start, int64_t* count, int64_t* stop) const {
+    int64_t bb = *b, s = *start, e = *stop;
+    if (bb >= 0 && s < e) {
+      // continue inside block bb from s
     } else {
-      for (++blk; blk < a.num_blocks; ++blk) {
-        const KVBlock& kb = a.blocks[blk];
-        j0 = std::max(kmin, kb.first_position);
-        end = std::min(kmax, kb.first_position + kb.num_rows);
-        if (j0 < end) break;
+      for (++bb; bb < a.num_blocks; ++bb) {
+        const KVBlock& kb = a.blocks[bb];
+        s = std::max(kmin, kb.first_position);
+        e = std::min(kmax, kb.first_position + kb.num_rows);
+        if (s < e) break;
       }
-      if (blk >= a.num_blocks) return false;
+      if (bb >= a.num_blocks) return false;
     }
+    *b = bb;
+    *start = s;
+    *stop = e;
+    *count = std::min(e - s, tile - s % tile);
+    return true;
+  }
+  bool next() {
+    int64_t b = blk, s = blk >= 0 ? j0 + n : 0, e = end, c = 0;
+    if (!locate(&b, &s, &c, &e)) return false;
+    blk = b;
+    j0 = s;
+    end = e;
+    n = c;
     const KVBlock& kb = a.blocks[blk];
-    n = std::min(tile, end - j0);
     krows = static_cast<const char*>(kb.key) + static_cast<size_t>((j0 - kb.first_position) * a.head_dim) * es;
     vrows = static_cast<const char*>(kb.value) + static_cast<size_t>((j0 - kb.first_position) * a.v_head_dim) * es;
     return true;
+  }
+  // Rows of the tile after the current one, crossing into the next block: K at *k, V at *v,
+  // *count keys (0 at the end of the range).
+  void peek(const char** k, const char** v, int64_t* count) const {
+    int64_t b = blk, s = j0 + n, e = end, c = 0;
+    if (!locate(&b, &s, &c, &e)) {
+      *count = 0;
+      return;
+    }
+    const KVBlock& kb = a.blocks[b];
+    *k = static_cast<const char*>(kb.key) + static_cast<size_t>((s - kb.first_position) * a.head_dim) * es;
+    *v = static_cast<const char*>(kb.value) + static_cast<size_t>((s - kb.first_position) * a.v_head_dim) * es;
+    *count = c;
   }
 };
 
