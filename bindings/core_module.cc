@@ -1,8 +1,12 @@
 // onnx_light_ep._core: Python access to the KVCache arena that lives in
 // libonnx_light.so (this module links it, so Python and ORT share one
-// registry). Thin: validation lives in the arena, whose std::invalid_argument
-// becomes ValueError and std::runtime_error (limits) becomes ValueError too,
-// since both mean "this call cannot be done; nothing changed".
+// registry). Thin: validation lives in the arena; this file converts
+// arguments, releases the GIL around arena calls (they may wait for a cache
+// lock held by a run), puts "KVCache.<method>: " in front of error messages
+// and raises the Python class of each error kind:
+//   std::invalid_argument -> ValueError
+//   MemoryLimitError      -> onnx_light_ep.errors.KVCacheMemoryError
+//   BusyError             -> onnx_light_ep.errors.KVCacheBusyError
 #include <dlfcn.h>
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
@@ -15,7 +19,10 @@
 
 #include "kernels/attention.h"
 #include "kernels/stream_read.h"
+#include "kvcache/errors.h"
 #include "kvcache/kv_cache.h"
+#include "kvcache/registry.h"
+#include "kvcache/run_scope.h"
 
 namespace py = pybind11;
 using olep::CacheGeometry;
@@ -25,7 +32,22 @@ using olep::Registry;
 
 namespace {
 
-std::shared_ptr<KVCache> get(int64_t h, const char* what) { return Registry::instance().get(h, what); }
+using IntArray = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
+
+// Runs f() with the GIL released; arena errors get "<what>: " in front, keeping their kind.
+template <class F>
+auto call(const char* what, F&& f) -> decltype(f()) {
+  py::gil_scoped_release nogil;
+  try {
+    return f();
+  } catch (...) {
+    olep::rethrow_with_prefix(std::string(what) + ": ");
+  }
+}
+
+std::shared_ptr<KVCache> cache(int64_t h, const char* what) {
+  return call(what, [&] { return Registry::instance().cache(h); });
+}
 
 py::dtype numpy_dtype(DType t) {
   switch (t) {
@@ -36,13 +58,17 @@ py::dtype numpy_dtype(DType t) {
   return py::dtype("float32");
 }
 
-std::vector<int64_t> to_vec(const py::array_t<int64_t, py::array::c_style | py::array::forcecast>& a) {
-  if (a.ndim() != 1) throw std::invalid_argument("expected a 1-D integer array");
+std::vector<int64_t> to_vec(const IntArray& a, const char* what) {
+  if (a.ndim() != 1) throw std::invalid_argument(std::string(what) + ": expected a 1-D integer array");
   return std::vector<int64_t>(a.data(), a.data() + a.size());
 }
 
+py::array_t<int64_t> to_array(const std::vector<int64_t>& v) {
+  return py::array_t<int64_t>(static_cast<py::ssize_t>(v.size()), v.data());
+}
+
 py::dict info(int64_t h) {
-  auto c = get(h, "KVCache");
+  auto c = cache(h, "KVCache");
   const CacheGeometry& g = c->geometry();
   py::dict d;
   d["num_layers"] = g.num_layers;
@@ -53,37 +79,73 @@ py::dict info(int64_t h) {
   d["dtype"] = olep::dtype_name(g.dtype);
   d["max_sequence_length"] = g.max_sequence_length;
   d["memory_limit_bytes"] = g.memory_limit_bytes;
+  d["page_tokens"] = g.page_tokens;
+  d["sliding_window"] = g.sliding_window;
+  d["rollback_tokens"] = g.rollback_tokens;
   return d;
 }
 
 py::dict stats(int64_t h) {
-  const olep::CacheStats s = get(h, "KVCache.stats")->stats();
+  auto c = cache(h, "KVCache.stats");
+  const olep::CacheStats s = call("KVCache.stats", [&] { return c->stats(); });
   py::dict d;
   d["reserved_bytes"] = s.reserved_bytes;
   d["committed_bytes"] = s.committed_bytes;
   d["live_bytes"] = s.live_bytes;
+  d["shared_bytes"] = s.shared_bytes;
+  d["checkpoint_bytes"] = s.checkpoint_bytes;
+  d["num_pages"] = s.num_pages;
+  d["page_table_bytes"] = s.page_table_bytes;
+  d["fragmentation_bytes"] = s.fragmentation_bytes;
   d["bytes_appended"] = s.bytes_appended;
   d["bytes_copied"] = s.bytes_copied;
   d["num_appends"] = s.num_appends;
   return d;
 }
 
+py::dict pool_stats(int64_t h) {
+  auto p = call("KVPool.stats", [&] { return Registry::instance().pool(h); });
+  const olep::PoolStats s = p->stats();
+  py::dict d;
+  d["memory_limit_bytes"] = s.memory_limit_bytes;
+  d["committed_bytes"] = s.committed_bytes;
+  d["live_bytes"] = s.live_bytes;
+  d["shared_bytes"] = s.shared_bytes;
+  d["free_bytes"] = s.free_bytes;
+  d["overhead_bytes"] = s.overhead_bytes;
+  d["num_pages"] = s.num_pages;
+  d["num_free_pages"] = s.num_free_pages;
+  d["num_slabs"] = s.num_slabs;
+  d["num_caches"] = s.num_caches;
+  d["num_checkpoints"] = s.num_checkpoints;
+  return d;
+}
+
 py::tuple export_layer(int64_t h, int64_t layer) {
-  auto c = get(h, "KVCache.export");
+  auto c = cache(h, "KVCache.export");
   const CacheGeometry& g = c->geometry();
-  py::array k, v;
-  c->export_layer(layer, /*include_pending=*/false, [&](int64_t L) {
-    k = py::array(numpy_dtype(g.dtype), std::vector<py::ssize_t>{g.batch_size, g.kv_num_heads, L, g.head_dim});
-    v = py::array(numpy_dtype(g.dtype), std::vector<py::ssize_t>{g.batch_size, g.kv_num_heads, L, g.v_head_dim});
-    std::memset(k.mutable_data(), 0, static_cast<size_t>(k.nbytes()));
-    std::memset(v.mutable_data(), 0, static_cast<size_t>(v.nbytes()));
-    return std::make_pair(k.mutable_data(), v.mutable_data());
+  // Copied without the GIL into buffers, then into the numpy arrays made under it.
+  int64_t L = 0;
+  std::vector<char> kbuf, vbuf;
+  call("KVCache.export", [&] {
+    c->export_layer(layer, /*include_pending=*/false, [&](int64_t len) {
+      L = len;
+      const size_t es = olep::dtype_size(g.dtype);
+      kbuf.assign(static_cast<size_t>(g.batch_size * g.kv_num_heads * len * g.head_dim) * es, 0);
+      vbuf.assign(static_cast<size_t>(g.batch_size * g.kv_num_heads * len * g.v_head_dim) * es, 0);
+      return std::make_pair<void*, void*>(kbuf.data(), vbuf.data());
+    });
+    return 0;
   });
+  py::array k(numpy_dtype(g.dtype), std::vector<py::ssize_t>{g.batch_size, g.kv_num_heads, L, g.head_dim});
+  py::array v(numpy_dtype(g.dtype), std::vector<py::ssize_t>{g.batch_size, g.kv_num_heads, L, g.v_head_dim});
+  if (!kbuf.empty()) std::memcpy(k.mutable_data(), kbuf.data(), kbuf.size());
+  if (!vbuf.empty()) std::memcpy(v.mutable_data(), vbuf.data(), vbuf.size());
   return py::make_tuple(k, v);
 }
 
 void import_past(int64_t h, const py::list& keys, const py::list& values) {
-  auto c = get(h, "KVCache.from_past");
+  auto c = cache(h, "KVCache.from_past");
   const CacheGeometry& g = c->geometry();
   const py::dtype want = numpy_dtype(g.dtype);
   std::vector<py::array> hold;  // keeps contiguous copies alive
@@ -113,7 +175,10 @@ void import_past(int64_t h, const py::list& keys, const py::list& values) {
     kp.push_back(take(keys[l], "keys", l, g.head_dim));
     vp.push_back(take(values[l], "values", l, g.v_head_dim));
   }
-  c->import_past(kp, vp, length < 0 ? 0 : length);
+  call("KVCache.from_past", [&] {
+    c->import_past(kp, vp, length < 0 ? 0 : length);
+    return 0;
+  });
 }
 
 std::string library_path() {
@@ -125,23 +190,33 @@ std::string library_path() {
   return resolved;
 }
 
+void raise_kind(const char* cls, const char* msg) {
+  py::object type = py::module_::import("onnx_light_ep.errors").attr(cls);
+  PyErr_SetString(type.ptr(), msg);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_core, m) {
-  m.doc() = "KVCache arena of libonnx_light.so (see docs/API.md); use onnx_light_ep.KVCache.";
+  m.doc() = "KVCache arena of libonnx_light.so (see docs/API.md); use onnx_light_ep.KVCache and KVPool.";
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
+    } catch (const olep::MemoryLimitError& e) {
+      raise_kind("KVCacheMemoryError", e.what());
+    } catch (const olep::BusyError& e) {
+      raise_kind("KVCacheBusyError", e.what());
     } catch (const std::invalid_argument& e) {
-      PyErr_SetString(PyExc_ValueError, e.what());
-    } catch (const std::runtime_error& e) {  // a limit reached: the call cannot be done, nothing changed
       PyErr_SetString(PyExc_ValueError, e.what());
     }
   });
+
+  // ---- caches ----
   m.def(
       "create",
       [](int64_t num_layers, int64_t batch_size, int64_t kv_num_heads, int64_t head_dim, int64_t v_head_dim,
-         const std::string& dtype, int64_t max_sequence_length, int64_t memory_limit_bytes) {
+         const std::string& dtype, int64_t max_sequence_length, int64_t memory_limit_bytes, int64_t page_tokens,
+         int64_t pool, const std::vector<int64_t>& sliding_window, int64_t rollback_tokens) {
         CacheGeometry g;
         g.num_layers = num_layers;
         g.batch_size = batch_size;
@@ -151,37 +226,112 @@ PYBIND11_MODULE(_core, m) {
         g.dtype = olep::parse_dtype(dtype, "KVCache: dtype");
         g.max_sequence_length = max_sequence_length;
         g.memory_limit_bytes = memory_limit_bytes;
-        return Registry::instance().add(std::make_unique<KVCache>(g));
+        g.page_tokens = page_tokens;
+        g.sliding_window = sliding_window;
+        g.rollback_tokens = rollback_tokens;
+        return call("KVCache", [&] {
+          std::shared_ptr<olep::PagePool> p = pool ? Registry::instance().pool(pool) : nullptr;
+          return Registry::instance().add_cache(std::make_shared<KVCache>(g, p));
+        });
       },
       py::arg("num_layers"), py::arg("batch_size"), py::arg("kv_num_heads"), py::arg("head_dim"),
-      py::arg("v_head_dim"), py::arg("dtype"), py::arg("max_sequence_length"), py::arg("memory_limit_bytes"));
-  m.def("release", [](int64_t h) { Registry::instance().release(h, "KVCache.close"); });
+      py::arg("v_head_dim"), py::arg("dtype"), py::arg("max_sequence_length"), py::arg("memory_limit_bytes"),
+      py::arg("page_tokens"), py::arg("pool"), py::arg("sliding_window"), py::arg("rollback_tokens"));
+  m.def("release", [](int64_t h) { call("KVCache.close", [&] { Registry::instance().release_cache(h); return 0; }); });
   m.def("is_live", [](int64_t h) { return Registry::instance().is_live(h); });
-  m.def("num_live_caches", [] { return Registry::instance().num_live(); });
+  m.def("num_live_caches", [] { return Registry::instance().num_live_caches(); });
   m.def("info", &info);
-  m.def("seq_lens", [](int64_t h) {
-    const std::vector<int64_t> v = get(h, "KVCache.seq_lens")->seq_lens();
-    return py::array_t<int64_t>(static_cast<py::ssize_t>(v.size()), v.data());
+  m.def("seq_lens", [](int64_t h) { auto c = cache(h, "KVCache.seq_lens"); return to_array(call("KVCache.seq_lens", [&] { return c->seq_lens(); })); });
+  m.def("first_positions", [](int64_t h) {
+    auto c = cache(h, "KVCache.first_positions");
+    return to_array(call("KVCache.first_positions", [&] { return c->first_positions(); }));
   });
   m.def("stats", &stats);
-  m.def("reset", [](int64_t h) { get(h, "KVCache.reset")->reset(); });
-  m.def("truncate", [](int64_t h, const py::array_t<int64_t, py::array::c_style | py::array::forcecast>& lengths) {
-    get(h, "KVCache.truncate")->truncate(to_vec(lengths));
+  m.def("reset", [](int64_t h) { auto c = cache(h, "KVCache.reset"); call("KVCache.reset", [&] { c->reset(); return 0; }); });
+  m.def("truncate", [](int64_t h, const IntArray& lengths) {
+    auto c = cache(h, "KVCache.truncate");
+    const auto v = to_vec(lengths, "KVCache.truncate: lengths");
+    call("KVCache.truncate", [&] { c->truncate(v); return 0; });
   });
-  m.def("reorder", [](int64_t h, const py::array_t<int64_t, py::array::c_style | py::array::forcecast>& indices) {
-    get(h, "KVCache.reorder")->reorder(to_vec(indices));
+  m.def("reorder", [](int64_t h, const IntArray& indices) {
+    auto c = cache(h, "KVCache.reorder");
+    const auto v = to_vec(indices, "KVCache.reorder: indices");
+    call("KVCache.reorder", [&] { c->reorder(v); return 0; });
   });
-  m.def("fork", [](int64_t h) {
-    auto c = get(h, "KVCache.fork");
-    std::unique_ptr<KVCache> f;
-    {
-      py::gil_scoped_release nogil;
-      f = c->fork();
-    }
-    return Registry::instance().add(std::move(f));
+  m.def("fork", [](int64_t h, const IntArray& indices) {
+    auto c = cache(h, "KVCache.fork");
+    const auto v = to_vec(indices, "KVCache.fork: indices");
+    return call("KVCache.fork", [&] { return Registry::instance().add_cache(std::shared_ptr<KVCache>(c->fork(v))); });
   });
   m.def("export", &export_layer);
   m.def("import_past", &import_past);
+  m.def("save", [](int64_t h, const std::string& path) {
+    auto c = cache(h, "KVCache.save");
+    call("KVCache.save", [&] { c->save(path); return 0; });
+  });
+  m.def("load", [](const std::string& path, int64_t pool) {
+    return call("KVCache.load", [&] {
+      std::shared_ptr<olep::PagePool> p = pool ? Registry::instance().pool(pool) : nullptr;
+      return Registry::instance().add_cache(std::shared_ptr<KVCache>(KVCache::load(path, p)));
+    });
+  });
+  m.def("page_ids", [](int64_t h, int64_t layer, int64_t b, int64_t head) {
+    auto c = cache(h, "KVCache.page_ids");
+    return call("KVCache.page_ids", [&] { return c->page_ids(layer, b, head); });
+  }, "Page ids of (layer, sequence, head), block by block (tests, debugging).");
+
+  // ---- checkpoints ----
+  m.def("checkpoint", [](int64_t h) {
+    auto c = cache(h, "KVCache.checkpoint");
+    return call("KVCache.checkpoint", [&] { return Registry::instance().add_checkpoint(c->checkpoint()); });
+  });
+  m.def("restore", [](int64_t h, int64_t cp) {
+    auto c = cache(h, "KVCache.restore");
+    call("KVCache.restore", [&] { c->restore(*Registry::instance().checkpoint(cp)); return 0; });
+  });
+  m.def("release_checkpoint", [](int64_t cp) {
+    call("KVCheckpoint.close", [&] { Registry::instance().release_checkpoint(cp); return 0; });
+  });
+  m.def("checkpoint_info", [](int64_t cp) {
+    auto c = call("KVCheckpoint", [&] { return Registry::instance().checkpoint(cp); });
+    py::dict d;
+    d["seq_lens"] = to_array(c->content().lens);
+    d["num_pages"] = c->num_pages();
+    d["batch_size"] = c->geometry().batch_size;
+    d["num_layers"] = c->geometry().num_layers;
+    return d;
+  });
+
+  // ---- pools ----
+  m.def("pool_create", [](int64_t memory_limit_bytes) {
+    return call("KVPool", [&] { return Registry::instance().add_pool(std::make_shared<olep::PagePool>(memory_limit_bytes)); });
+  });
+  m.def("pool_release", [](int64_t h) { call("KVPool.close", [&] { Registry::instance().release_pool(h); return 0; }); });
+  m.def("pool_stats", &pool_stats);
+  m.def("pool_page_refs", [](int64_t h) {
+    auto p = call("KVPool", [&] { return Registry::instance().pool(h); });
+    return p->page_refs();
+  }, "Every mapped page of the pool as (id, refs); refs 0 = free (tests, debugging).");
+  m.def("cache_pool_page_refs", [](int64_t h) {
+    auto c = cache(h, "KVCache");
+    return c->pool()->page_refs();
+  }, "page_refs of the pool a cache uses (its private pool included).");
+  m.def("process_committed_bytes", [] { return olep::PagePool::process_committed_bytes(); },
+        "Slab bytes mapped by every page pool of the process.");
+
+  // ---- run boundaries (onnx_light_ep.InferenceSession) ----
+  m.def("run_begin", [](bool deferred) { olep::run_scope::begin(deferred); },
+        "Begins a run on this thread; deferred: its cache steps commit only at run_end(True).");
+  m.def("run_end", [](bool ok) {
+    std::vector<std::string> d;
+    {
+      py::gil_scoped_release nogil;
+      d = olep::run_scope::end(ok);
+    }
+    return d;
+  }, "Ends the run: commits (ok) or rolls back its steps; returns diagnoses of a successful run.");
+
+  // ---- misc ----
   m.def("library_path", &library_path);
   m.def(
       "stream_read",

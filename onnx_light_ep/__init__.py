@@ -10,6 +10,10 @@ Public names:
   ``onnxruntime.SessionOptions`` for the ops and the EP.
 - ``InferenceSession(model, sess_options=None, provider_options=None)``: an
   ``onnxruntime.InferenceSession`` that is guaranteed to run on the EP.
+- ``KVPool``: a page pool and memory budget shared by caches; ``KVCheckpoint``:
+  a retained snapshot (``KVCache.checkpoint()``).
+- ``KVCacheError``, ``KVCacheMemoryError``, ``KVCacheBusyError``: the arena's
+  error classes.
 - ``KVCache``: the cache object; feed ``KVCache.handle`` to the model
   (``KVCache.for_model(path_or_session, batch_size, max_sequence_length)``
   sizes one for a converted model).
@@ -74,7 +78,9 @@ if not _has_core(_os.path.dirname(__file__)):
         raise
 else:
     from ._registration import DOMAIN, EP_NAME, InferenceSession, get_library_path, register
-    from .cache import KVCache
+    from .cache import DEFAULT_PAGE_TOKENS, KVCache
+    from .errors import KVCacheBusyError, KVCacheError, KVCacheMemoryError
+    from .pool import KVCheckpoint, KVPool
 
     __version__ = "0.1.0"
 
@@ -99,10 +105,16 @@ else:
                         cache_input=cache_input, check=check)
 
     __all__ = [
+        "DEFAULT_PAGE_TOKENS",
         "DOMAIN",
         "EP_NAME",
         "InferenceSession",
         "KVCache",
+        "KVCacheBusyError",
+        "KVCacheError",
+        "KVCacheMemoryError",
+        "KVCheckpoint",
+        "KVPool",
         "convert",
         "get_library_path",
         "register",

@@ -191,6 +191,60 @@ def register(sess_options=None, provider_options: Optional[Mapping[Any, Any]] = 
     return sess_options
 
 
+_session_class = None
+
+
+def _translate(error: BaseException) -> Optional[BaseException]:
+    """The arena error class an ORT error stands for (its message names the kind), or None."""
+    from .errors import KVCacheBusyError, KVCacheMemoryError
+
+    text = str(error)
+    for name, cls in (("KVCacheMemoryError:", KVCacheMemoryError), ("KVCacheBusyError:", KVCacheBusyError)):
+        if name in text:
+            return cls(text[text.index(name) + len(name):].strip())
+    return None
+
+
+def _guarded(run):
+    """Wraps an ``InferenceSession.run*`` method in a deferred cache run (see ``InferenceSession``)."""
+
+    def method(self, *args, **kwargs):
+        _core.run_begin(True)
+        ok = False
+        try:
+            result = run(self, *args, **kwargs)
+            ok = True
+        except Exception as e:
+            _core.run_end(False)
+            translated = _translate(e)
+            if translated is not None:
+                raise translated from e
+            raise
+        diagnoses = _core.run_end(ok)
+        if diagnoses:
+            raise ValueError("InferenceSession.run: " + "; ".join(diagnoses))
+        return result
+
+    method.__name__ = run.__name__
+    method.__doc__ = run.__doc__
+    return method
+
+
+def _session_type(ort):
+    """``onnxruntime.InferenceSession`` whose runs commit cache steps only when they succeed."""
+    global _session_class
+    if _session_class is None:
+        base = ort.InferenceSession
+        attrs = {"__doc__": "An onnxruntime.InferenceSession on OnnxLightExecutionProvider whose run, "
+                            "run_with_iobinding and run_with_ort_values commit KVCache steps only when "
+                            "the run returns normally (onnx_light_ep.InferenceSession)."}
+        for name in ("run", "run_with_iobinding", "run_with_ort_values"):
+            if hasattr(base, name):
+                attrs[name] = _guarded(getattr(base, name))
+        _session_class = type("InferenceSession", (base,), attrs)
+    return _session_class
+
+
 def InferenceSession(model, sess_options=None, provider_options: Optional[Mapping[Any, Any]] = None):
     """An ``onnxruntime.InferenceSession`` that runs on ``OnnxLightExecutionProvider``.
 
@@ -202,8 +256,18 @@ def InferenceSession(model, sess_options=None, provider_options: Optional[Mappin
         provider_options: see :func:`register`.
 
     Returns:
-        ``onnxruntime.InferenceSession`` whose first provider is
+        a subclass of ``onnxruntime.InferenceSession`` whose first provider is
         ``OnnxLightExecutionProvider`` (nodes it does not claim run on CPU).
+        Its ``run``, ``run_with_iobinding`` and ``run_with_ort_values`` are
+        transactional for every ``KVCache`` the run appends to: the run's rows
+        become visible only if the call returns normally; if anything raises
+        (any node, a cancellation through ``RunOptions.terminate``, an output
+        error), every cache is exactly as before the call. A run that succeeds
+        but appended only some of a cache's layers (a model with fewer
+        attention layers than the cache) raises ``ValueError`` and appends
+        nothing. ORT errors that carry an arena error kind are re-raised as
+        ``KVCacheMemoryError`` / ``KVCacheBusyError`` (the ORT error chained).
+        ``run_async`` has no such guarantee (it completes on another thread).
 
     Raises:
         RuntimeError: as :func:`register`, or when ORT did not put the EP first
@@ -219,7 +283,7 @@ def InferenceSession(model, sess_options=None, provider_options: Optional[Mappin
         model = model.SerializeToString()
     elif isinstance(model, os.PathLike):
         model = os.fspath(model)
-    session = ort.InferenceSession(model, sess_options)
+    session = _session_type(ort)(model, sess_options)
     providers = session.get_providers()
     if not providers or providers[0] != EP_NAME:
         raise RuntimeError(

@@ -8,16 +8,17 @@ names) into what ``_core`` takes and back.
 
 from __future__ import annotations
 
-import operator
 import sys
-from typing import Any, Dict, Iterable, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import ml_dtypes
 import numpy as np
 
 from . import _core
+from ._args import as_int, as_int64_vector
+from .pool import KVCheckpoint, KVPool
 
-__all__ = ["KVCache"]
+__all__ = ["KVCache", "DEFAULT_PAGE_TOKENS"]
 
 _DTYPE_NAMES = ("float32", "float16", "bfloat16")
 _NP_DTYPES = {
@@ -44,34 +45,6 @@ def _dtype_name(dtype: Any, where: str = "KVCache", arg: str = "dtype") -> str:
     )
 
 
-def _as_int(value: Any, where: str, arg: str) -> int:
-    """An exact Python int (rejects floats, strings and bools)."""
-    if isinstance(value, (bool, np.bool_)):
-        raise ValueError(f"{where}: {arg}; expected an integer, got {value!r}")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise ValueError(f"{where}: {arg}; expected an integer, got {value!r}") from None
-
-
-def _as_int64_vector(value: Any, where: str, arg: str) -> np.ndarray:
-    """A C-contiguous 1-D int64 array from an int sequence/array (no float truncation)."""
-    arr = np.asarray(value)
-    if arr.size == 0:
-        arr = arr.astype(np.int64)
-    if arr.dtype.kind not in "iu":
-        raise ValueError(
-            f"{where}: {arg}; expected integers, got an array of {arr.dtype}"
-        )
-    if arr.ndim != 1:
-        raise ValueError(
-            f"{where}: {arg}; expected a 1-D sequence of integers, got shape {arr.shape}"
-        )
-    if arr.dtype.kind == "u" and arr.size and arr.max() > np.iinfo(np.int64).max:
-        raise ValueError(f"{where}: {arg}; expected values that fit int64, got {arr.max()}")
-    return np.ascontiguousarray(arr, dtype=np.int64)
-
-
 def _to_core_array(arr: np.ndarray) -> np.ndarray:
     """C-contiguous array in the form ``_core`` takes (bfloat16 as uint16 bits)."""
     arr = np.ascontiguousarray(arr)
@@ -80,15 +53,22 @@ def _to_core_array(arr: np.ndarray) -> np.ndarray:
     return arr
 
 
+DEFAULT_PAGE_TOKENS = 128
+"""Positions per page when neither the cache nor its pool names one (chosen by measurement)."""
+
+
 class KVCache:
     """Persistent K/V cache for one request group of one decoder model.
 
     One cache holds ``num_layers`` attention layers for ``batch_size``
-    sequences. Storage is contiguous per (layer, sequence, kv head):
-    ``max_sequence_length`` rows of address space are reserved up front and
-    committed as rows are written. Feed :attr:`handle` to the model's cache
-    input; the ``ai.onnx_light`` ops append to and read from the cache in
-    place, so a decode step costs time proportional to the new tokens only.
+    sequences, in pages of ``page_tokens`` positions (one page per layer,
+    sequence, kv head and block of positions) taken from a :class:`KVPool`.
+    Feed :attr:`handle` to the model's cache input; the ``ai.onnx_light`` ops
+    append to and read from the pages in place, so a decode step costs time
+    proportional to the new tokens only. Pages are reference counted:
+    :meth:`fork`, :meth:`reorder` and :meth:`checkpoint` share them instead of
+    copying rows, and the first write into a shared page copies that one page
+    (copy-on-write, counted in ``stats()["bytes_copied"]``).
 
     Args:
         num_layers: int > 0, attention layers of the model.
@@ -99,31 +79,44 @@ class KVCache:
         dtype: ``"float32"``, ``"float16"`` or ``"bfloat16"``, or the numpy
             dtypes ``numpy.float32``, ``numpy.float16``, ``ml_dtypes.bfloat16``.
             Must equal the model's attention dtype ``T``.
-        max_sequence_length: int > 0, capacity in tokens per sequence.
-        memory_limit_bytes: int >= 1, cap on committed K/V bytes of this cache;
-            ``None`` means no limit (0 is refused: it would be a cache that can
-            hold nothing).
+        max_sequence_length: int > 0, the most tokens a sequence may hold (a
+            limit: nothing is reserved for it).
+        memory_limit_bytes: int >= 1 or None: quota on the page bytes this
+            cache's tables hold (``stats()["committed_bytes"]``).
+        pool: a :class:`KVPool` to take pages from and count them against, or
+            None for a private pool (released with the cache).
+        page_tokens: positions per page, a multiple of 32; None = the pool's
+            default, else ``DEFAULT_PAGE_TOKENS``.
+        sliding_window: None (keep every position), an int W (every layer), or
+            a list with one entry per layer (None or 0 = keep everything on that
+            layer): positions older than ``seq_len - W - rollback_tokens`` are
+            released page by page when a step commits, so such a layer holds at
+            most ``W + rollback_tokens`` plus two pages of rows per (sequence,
+            head). Its attention nodes must use ``local_window_size <= W``.
+            Positions stay absolute.
+        rollback_tokens: int >= 0, how many positions beyond the window a
+            sliding-window layer keeps so :meth:`truncate` can go back that far.
 
     Errors:
         ``ValueError`` for a bad argument (the text names it and the expected
-        value; nothing is changed), for a limit reached
-        (``max_sequence_length``, ``memory_limit_bytes``; the cache is left as
-        it was) and for any use after :meth:`close`.
+        value; nothing is changed) and for any use after :meth:`close`;
+        ``onnx_light_ep.KVCacheMemoryError`` when ``memory_limit_bytes`` of the
+        cache or its pool would be exceeded (nothing changes);
+        ``onnx_light_ep.KVCacheBusyError`` when a run on another thread is
+        appending to the cache at that moment.
 
     Thread safety:
         every method takes the cache's own lock (in C++), so concurrent calls on
         one cache are serialized, and so are calls racing with ORT runs that use
-        the cache. Two runs appending to the same cache at the same time are
-        rejected ("is being appended by another run"). :meth:`close` must not
-        race with other use of the same object.
+        the cache. :meth:`close` must not race with other use of the same object.
 
     Lifetime:
-        the memory is released by :meth:`close`, by leaving a ``with`` block,
+        the pages are released by :meth:`close`, by leaving a ``with`` block,
         or when the object is garbage collected. A closed handle is never
         reused, so a stale handle fed to a model fails the run.
     """
 
-    __slots__ = ("_h", "_info", "__weakref__")
+    __slots__ = ("_h", "_info", "_pool", "__weakref__")
 
     def __init__(
         self,
@@ -136,25 +129,37 @@ class KVCache:
         dtype: Any = "float32",
         max_sequence_length: int,
         memory_limit_bytes: Optional[int] = None,
+        pool: Optional[KVPool] = None,
+        page_tokens: Optional[int] = None,
+        sliding_window: Union[None, int, Sequence[Optional[int]]] = None,
+        rollback_tokens: int = 0,
     ) -> None:
         self._h: Optional[int] = None
         self._info: Dict[str, Any] = {}
+        self._pool: Optional[KVPool] = None
         where = "KVCache"
-        num_layers = _as_int(num_layers, where, "num_layers")
-        batch_size = _as_int(batch_size, where, "batch_size")
-        kv_num_heads = _as_int(kv_num_heads, where, "kv_num_heads")
-        head_dim = _as_int(head_dim, where, "head_dim")
-        v_head_dim = head_dim if v_head_dim is None else _as_int(v_head_dim, where, "v_head_dim")
+        num_layers = as_int(num_layers, where, "num_layers")
+        batch_size = as_int(batch_size, where, "batch_size")
+        kv_num_heads = as_int(kv_num_heads, where, "kv_num_heads")
+        head_dim = as_int(head_dim, where, "head_dim")
+        v_head_dim = head_dim if v_head_dim is None else as_int(v_head_dim, where, "v_head_dim")
         dtype_name = _dtype_name(dtype, where, "dtype")
-        max_sequence_length = _as_int(max_sequence_length, where, "max_sequence_length")
+        max_sequence_length = as_int(max_sequence_length, where, "max_sequence_length")
         if memory_limit_bytes is None:
             memory_limit_bytes = 0  # _core: 0 = no limit
         else:
-            memory_limit_bytes = _as_int(memory_limit_bytes, where, "memory_limit_bytes")
+            memory_limit_bytes = as_int(memory_limit_bytes, where, "memory_limit_bytes")
             if memory_limit_bytes < 1:
                 raise ValueError(
                     f"{where}: memory_limit_bytes must be >= 1 or None (no limit), got {memory_limit_bytes}"
                 )
+        if pool is not None and not isinstance(pool, KVPool):
+            raise ValueError(f"{where}: pool; expected a KVPool or None, got {type(pool).__name__}")
+        if page_tokens is None:
+            page_tokens = (pool.page_tokens if pool is not None else None) or DEFAULT_PAGE_TOKENS
+        page_tokens = as_int(page_tokens, where, "page_tokens")
+        windows = _windows(sliding_window, num_layers, where)
+        rollback_tokens = as_int(rollback_tokens, where, "rollback_tokens")
         h = _core.create(
             num_layers,
             batch_size,
@@ -164,14 +169,19 @@ class KVCache:
             dtype_name,
             max_sequence_length,
             memory_limit_bytes,
+            page_tokens,
+            pool._live(where) if pool is not None else 0,
+            windows,
+            rollback_tokens,
         )
-        self._adopt(h)
+        self._adopt(h, pool)
 
     # -- construction helpers ---------------------------------------------
 
-    def _adopt(self, h: int) -> None:
-        """Take ownership of native handle ``h`` and cache its geometry."""
+    def _adopt(self, h: int, pool: Optional[KVPool] = None) -> None:
+        """Take ownership of native handle ``h`` (pages from ``pool``) and cache its geometry."""
         self._h = int(h)
+        self._pool = pool
         try:
             self._info = dict(_core.info(self._h))
         except BaseException:
@@ -180,11 +190,12 @@ class KVCache:
             raise
 
     @classmethod
-    def _from_handle(cls, h: int) -> "KVCache":
+    def _from_handle(cls, h: int, pool: Optional[KVPool] = None) -> "KVCache":
         obj = cls.__new__(cls)
         obj._h = None
         obj._info = {}
-        obj._adopt(h)
+        obj._pool = None
+        obj._adopt(h, pool)
         return obj
 
     @classmethod
@@ -195,6 +206,7 @@ class KVCache:
         *,
         max_sequence_length: Optional[int] = None,
         memory_limit_bytes: Optional[int] = None,
+        **options: Any,
     ) -> "KVCache":
         """Build a cache holding existing per-layer past tensors.
 
@@ -206,6 +218,8 @@ class KVCache:
             max_sequence_length: capacity in tokens; the cache gets
                 ``max(L, max_sequence_length)`` (``None``: ``L``).
             memory_limit_bytes: as in the constructor.
+            options: ``pool``, ``page_tokens``, ``sliding_window``,
+                ``rollback_tokens`` as in the constructor.
 
         Returns:
             A new ``KVCache`` with ``num_layers = len(keys)``, geometry taken
@@ -251,7 +265,7 @@ class KVCache:
             )
         capacity = length
         if max_sequence_length is not None:
-            capacity = max(length, _as_int(max_sequence_length, where, "max_sequence_length"))
+            capacity = max(length, as_int(max_sequence_length, where, "max_sequence_length"))
         cache = cls(
             len(keys),
             batch_size,
@@ -261,6 +275,7 @@ class KVCache:
             dtype=dtype_name,
             max_sequence_length=capacity,
             memory_limit_bytes=memory_limit_bytes,
+            **options,
         )
         try:
             _core.import_past(
@@ -281,6 +296,7 @@ class KVCache:
         max_sequence_length: Optional[int] = None,
         *,
         memory_limit_bytes: Optional[int] = None,
+        **options: Any,
     ) -> "KVCache":
         """A cache sized for a model written by ``onnx_light_ep.convert``.
 
@@ -295,6 +311,8 @@ class KVCache:
             max_sequence_length: capacity in tokens; None uses the model's
                 ``onnx_light.max_position`` (rotary table length) when recorded.
             memory_limit_bytes: as in the constructor.
+            options: ``pool``, ``page_tokens``, ``sliding_window``,
+                ``rollback_tokens`` as in the constructor.
 
         Raises:
             ValueError: not a converted model, or ``max_sequence_length`` is None
@@ -319,7 +337,33 @@ class KVCache:
             dtype=meta["dtype"],
             max_sequence_length=max_sequence_length,
             memory_limit_bytes=memory_limit_bytes,
+            **options,
         )
+
+    @classmethod
+    def load(cls, path: Any, *, pool: Optional[KVPool] = None) -> "KVCache":
+        """A cache read from a file written by :meth:`save` (a system prompt surviving a restart).
+
+        Args:
+            path: str or ``os.PathLike``.
+            pool: the :class:`KVPool` to hold its pages (None: a private pool).
+
+        Returns:
+            A new ``KVCache`` with the saved geometry, page size, windows,
+            lengths and rows (bit-exact).
+
+        Raises:
+            ValueError: the file is missing, not a cache file (magic), of another
+                format version, has a bad geometry, the wrong size (truncated)
+                or a checksum mismatch; the text names which. Nothing is created.
+            KVCacheMemoryError: the pool's budget cannot hold it (nothing changes).
+        """
+        import os
+
+        if pool is not None and not isinstance(pool, KVPool):
+            raise ValueError(f"KVCache.load: pool; expected a KVPool or None, got {type(pool).__name__}")
+        h = _core.load(os.fspath(path), pool._live("KVCache.load") if pool is not None else 0)
+        return cls._from_handle(h, pool)
 
     # -- handle and geometry ----------------------------------------------
 
@@ -385,6 +429,27 @@ class KVCache:
         return None if limit == 0 else limit
 
     @property
+    def page_tokens(self) -> int:
+        """Positions per page (int)."""
+        return int(self._info["page_tokens"])
+
+    @property
+    def sliding_window(self) -> Optional[List[Optional[int]]]:
+        """Per-layer eviction window (None entries: that layer keeps everything), or None."""
+        w = list(self._info["sliding_window"])
+        return [int(x) if x > 0 else None for x in w] if w else None
+
+    @property
+    def rollback_tokens(self) -> int:
+        """Positions sliding-window layers keep beyond the window, for truncate (int)."""
+        return int(self._info["rollback_tokens"])
+
+    @property
+    def pool(self) -> Optional[KVPool]:
+        """The :class:`KVPool` the cache takes pages from, or None for a private pool."""
+        return self._pool
+
+    @property
     def seq_lens(self) -> np.ndarray:
         """int64 array ``[batch_size]``: valid (committed) tokens per sequence.
 
@@ -395,15 +460,21 @@ class KVCache:
     # -- operations -------------------------------------------------------
 
     def stats(self) -> Dict[str, int]:
-        """Memory and traffic counters, a dict of int.
+        """Memory and traffic counters, a dict of int (bytes unless ``num_``).
 
-        Keys: ``committed_bytes`` (pages of K/V storage touched, page-rounded
-        per (layer, sequence, head) row block), ``live_bytes`` (bytes of valid
-        rows), ``reserved_bytes`` (address space), ``bytes_appended``
-        (cumulative bytes of new K/V rows written by runs and imports),
-        ``bytes_copied`` (cumulative bytes of cached content moved by fork,
-        reorder or export; a decode step adds 0), ``num_appends`` (committed
-        steps).
+        ``committed_bytes``: the pages this cache's tables hold, each once (a
+        page shared with another cache counts in both caches; the pool counts
+        it once). ``live_bytes``: valid rows in those pages.
+        ``fragmentation_bytes`` = committed - live (partly filled pages).
+        ``shared_bytes``: its pages with more than one holder (sequences of
+        this cache, other caches, checkpoints). ``checkpoint_bytes``: pages only
+        its checkpoints hold. ``num_pages``, ``page_table_bytes`` (page-table
+        metadata). ``reserved_bytes``: pages reserved by a run's open step, not
+        yet committed (0 between runs). ``bytes_appended``: cumulative bytes of
+        new K/V rows committed by runs and imports. ``bytes_copied``: cumulative
+        bytes of already-cached rows copied (copy-on-write of a shared page's
+        valid rows; export); fork, reorder, checkpoint and a decode step into a
+        private page add 0. ``num_appends``: committed steps.
         """
         return dict(_core.stats(self._live("KVCache.stats")))
 
@@ -412,33 +483,77 @@ class KVCache:
         _core.reset(self._live("KVCache.reset"))
 
     def truncate(self, lengths: Union[int, Sequence[int], np.ndarray]) -> None:
-        """Shorten sequences (speculative-decoding rollback). O(1) per sequence, no copy.
+        """Shorten sequences (speculative-decoding rollback). Releases whole pages, copies nothing.
 
         Args:
             lengths: int (applied to every sequence) or integers ``[batch_size]``,
-                each ``0 <= lengths[b] <= seq_lens[b]``.
+                each ``0 <= lengths[b] <= seq_lens[b]``. On sliding-window layers a
+                non-zero length must also be at least the earliest length whose
+                window the layer still holds (``rollback_tokens`` past the last
+                eviction point); 0 always works (the sequence restarts).
 
         Raises:
-            ValueError: wrong length, non-integers or out of range; nothing changes.
+            ValueError: wrong length, non-integers or out of range (the text
+                names the earliest length still possible); nothing changes.
         """
         h = self._live("KVCache.truncate")
         if np.ndim(lengths) == 0:
-            n = _as_int(lengths, "KVCache.truncate", "lengths")
+            n = as_int(lengths, "KVCache.truncate", "lengths")
             arr = np.full(self.batch_size, n, dtype=np.int64)
         else:
-            arr = _as_int64_vector(lengths, "KVCache.truncate", "lengths")
+            arr = as_int64_vector(lengths, "KVCache.truncate", "lengths")
         _core.truncate(h, arr)
 
-    def fork(self) -> "KVCache":
-        """A new, independent cache with a copy of the valid rows and the same geometry.
+    def rollback(self, num_tokens: Union[int, Sequence[int], np.ndarray]) -> None:
+        """Drop the last ``num_tokens`` positions of each sequence: ``truncate(seq_lens - num_tokens)``.
 
-        Cost: copies ``live_bytes`` (counted in ``bytes_copied``).
-        Raises ``ValueError`` if the copy would exceed ``memory_limit_bytes``.
+        Args:
+            num_tokens: int (every sequence) or integers ``[batch_size]``, each
+                ``0 <= num_tokens[b] <= seq_lens[b]``. 0 is a no-op; asking for
+                more than a sequence holds is a ``ValueError`` (never clamped).
         """
-        return KVCache._from_handle(_core.fork(self._live("KVCache.fork")))
+        where = "KVCache.rollback"
+        lens = self.seq_lens
+        if np.ndim(num_tokens) == 0:
+            n = np.full(self.batch_size, as_int(num_tokens, where, "num_tokens"), dtype=np.int64)
+        else:
+            n = as_int64_vector(num_tokens, where, "num_tokens")
+        if n.shape != lens.shape:
+            raise ValueError(f"{where}: num_tokens must have batch_size={self.batch_size} entries, got {n.size}")
+        for b in range(lens.size):
+            if n[b] < 0 or n[b] > lens[b]:
+                raise ValueError(f"{where}: num_tokens[{b}] must be in [0, {int(lens[b])}] (seq_lens[{b}]), "
+                                 f"got {int(n[b])}")
+        self.truncate(lens - n)
+
+    def fork(self, indices: Optional[Union[Sequence[int], np.ndarray]] = None) -> "KVCache":
+        """A new cache in the same pool whose sequence ``i`` shares sequence ``indices[i]``'s pages.
+
+        Args:
+            indices: integers, each in ``[0, batch_size)``, repeats allowed; their
+                count is the new cache's batch size (``cache.fork([0] * 4)``
+                expands a prefilled prompt into 4 beams). None = every sequence.
+
+        Cost: O(pages) of metadata, 0 K/V bytes copied; the first write of
+        either cache into a shared page copies that page. The fork has this
+        cache's geometry, quota, page size and windows.
+
+        Raises:
+            ValueError: bad indices. KVCacheMemoryError: the fork's pages exceed
+                its ``memory_limit_bytes``.
+        """
+        h = self._live("KVCache.fork")
+        if indices is None:
+            idx = np.arange(self.batch_size, dtype=np.int64)
+        else:
+            idx = as_int64_vector(indices, "KVCache.fork", "indices")
+        return KVCache._from_handle(_core.fork(h, idx), self._pool)
 
     def reorder(self, indices: Union[Sequence[int], np.ndarray]) -> None:
         """Beam reorder: new sequence ``i`` becomes old sequence ``indices[i]``.
+
+        A permutation of page tables: 0 bytes copied now; the first write into
+        a tail page two sequences now share copies that one page.
 
         Args:
             indices: integers ``[batch_size]``, each in ``[0, batch_size)``;
@@ -448,7 +563,46 @@ class KVCache:
             ValueError: wrong length, non-integers or out of range; nothing changes.
         """
         h = self._live("KVCache.reorder")
-        _core.reorder(h, _as_int64_vector(indices, "KVCache.reorder", "indices"))
+        _core.reorder(h, as_int64_vector(indices, "KVCache.reorder", "indices"))
+
+    def checkpoint(self) -> KVCheckpoint:
+        """A :class:`KVCheckpoint` of the current content (pages pinned, nothing copied)."""
+        return KVCheckpoint(_core.checkpoint(self._live("KVCache.checkpoint")))
+
+    def restore(self, checkpoint: KVCheckpoint) -> None:
+        """Make the content and ``seq_lens`` exactly those of ``checkpoint``.
+
+        Swaps page tables (retain/release), copies no rows.
+
+        Raises:
+            ValueError: not an open KVCheckpoint, or one of another geometry or
+                pool (the text names the difference); nothing changes.
+            KVCacheMemoryError: the checkpoint's pages exceed this cache's quota.
+        """
+        where = "KVCache.restore"
+        if not isinstance(checkpoint, KVCheckpoint):
+            raise ValueError(f"{where}: checkpoint; expected a KVCheckpoint, got {type(checkpoint).__name__}")
+        _core.restore(self._live(where), checkpoint._live(where))
+
+    def save(self, path: Any) -> None:
+        """Write the geometry, lengths and valid rows to ``path`` (``KVCache.load`` reads it back).
+
+        A versioned file with a checksum; written to ``path + ".tmp"`` and
+        renamed, so readers never see a partial file. Evicted positions of
+        sliding-window layers are not stored.
+        """
+        import os
+
+        _core.save(self._live("KVCache.save"), os.fspath(path))
+
+    def _page_ids(self, layer: int, sequence: int, head: int) -> List[int]:
+        """Page ids of (layer, sequence, kv head), block by block (tests, debugging)."""
+        return list(_core.page_ids(self._live("KVCache._page_ids"), layer, sequence, head))
+
+    def _first_positions(self) -> np.ndarray:
+        """First position held, ``[num_layers, batch_size]`` (> 0 after eviction)."""
+        fp = np.asarray(_core.first_positions(self._live("KVCache._first_positions")), dtype=np.int64)
+        return fp.reshape(self.num_layers, self.batch_size)
 
     def export(self, layer: int) -> Tuple[np.ndarray, np.ndarray]:
         """Copy out one layer as ``(key, value)`` BNSH arrays.
@@ -460,13 +614,14 @@ class KVCache:
             ``key`` ``[B, Hkv, L, D]`` and ``value`` ``[B, Hkv, L, Dv]`` of the
             cache dtype (bfloat16 as ``ml_dtypes.bfloat16``), new arrays owned
             by the caller, ``L = max(seq_lens)``; rows ``>= seq_lens[b]`` of a
-            shorter sequence are zeros.
+            shorter sequence, and positions a sliding-window layer evicted, are
+            zeros.
 
         Raises:
             ValueError: ``layer`` out of range.
         """
         h = self._live("KVCache.export")
-        key, value = _core.export(h, _as_int(layer, "KVCache.export", "layer"))
+        key, value = _core.export(h, as_int(layer, "KVCache.export", "layer"))
         key, value = np.asarray(key), np.asarray(value)
         if self.dtype == "bfloat16":
             key = key.view(ml_dtypes.bfloat16)
@@ -525,3 +680,27 @@ def _layer_list(arrays: Any, where: str, arg: str) -> list:
     if not result:
         raise ValueError(f"{where}: {arg}; expected at least one layer, got an empty list")
     return result
+
+
+def _windows(sliding_window: Any, num_layers: int, where: str) -> List[int]:
+    """Per-layer windows for _core (0 = none) from None, an int or a per-layer list."""
+    if sliding_window is None:
+        return []
+    if np.ndim(sliding_window) == 0:
+        w = as_int(sliding_window, where, "sliding_window")
+        if w < 1:
+            raise ValueError(f"{where}: sliding_window must be >= 1 or None, got {w}")
+        return [w] * num_layers
+    items = list(sliding_window)
+    if len(items) != num_layers:
+        raise ValueError(f"{where}: sliding_window; expected one entry per layer ({num_layers}), got {len(items)}")
+    out = []
+    for i, x in enumerate(items):
+        if x is None:
+            out.append(0)
+            continue
+        w = as_int(x, where, f"sliding_window[{i}]")
+        if w < 0:
+            raise ValueError(f"{where}: sliding_window[{i}] must be >= 1, 0 or None (no window), got {w}")
+        out.append(w)
+    return out if any(out) else []

@@ -1,4 +1,4 @@
-// Registration of the ai.onnx_light custom ops (CacheAttention, CacheExport)
+// Registration of the ai.onnx_light custom ops (CacheAttention, CacheExport, CacheCommit)
 // with ORT, twice each: typed for the CPU EP (so a converted model runs on
 // plain ORT) and typed for OnnxLightExecutionProvider (which claims the nodes
 // with EpGraphSupportInfo_AddSingleNode). Both run the same ORT-free op code
@@ -114,6 +114,24 @@ struct CacheExportKernel {
       });
       return nullptr;
     } catch (const std::exception& e) {
+      return to_status(e, node);
+    }
+  }
+};
+
+struct CacheCommitKernel {
+  std::string node;
+
+  OrtStatus* compute(OrtKernelContext* ctx) {
+    Tensor cache;
+    try {
+      if (!read_input(ctx, 0, &cache)) throw std::invalid_argument("CacheCommit: input 'cache' is required");
+      ops::cache_commit(cache, [&](int64_t batch) {
+        return static_cast<int64_t*>(alloc_output(ctx, 0, {batch}));
+      });
+      return nullptr;
+    } catch (const std::exception& e) {
+      if (cache.data) ops::note_failed_run(cache);
       return to_status(e, node);
     }
   }
@@ -249,10 +267,37 @@ OrtStatus* infer_cache_export(const OrtCustomOp*, OrtShapeInferContext* c) {
   }
 }
 
+OrtStatus* infer_cache_commit(const OrtCustomOp*, OrtShapeInferContext* c) {
+  try {
+    InferCtx{c}.set_output(0, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64, {-1}, {""});
+    return nullptr;
+  } catch (const std::exception& e) {
+    return make_status(ORT_INVALID_ARGUMENT, std::string("CacheCommit shape inference: ") + e.what());
+  }
+}
+
 // ---------------------------------------------------------------------------
 // OrtCustomOp definitions
 
-enum class OpKind { kCacheAttention, kCacheExport };
+enum class OpKind { kCacheAttention, kCacheExport, kCacheCommit };
+
+// Inputs: CacheAttention(query, key, value, cache, [attn_mask], [seqlens_k]); CacheExport(cache,
+// [after]); CacheCommit(cache, after...) with `after` variadic of any types (the graph outputs the
+// commit must follow).
+struct OpInfo {
+  const char* name;
+  size_t inputs, required_inputs, cache_input;
+  size_t outputs;
+  bool variadic_tail;
+};
+const OpInfo& op_info(OpKind k) {
+  static const OpInfo infos[] = {
+      {"CacheAttention", 6, 4, 3, 1, false},
+      {"CacheExport", 2, 1, 0, 2, false},
+      {"CacheCommit", 2, 2, 0, 1, true},
+  };
+  return infos[static_cast<int>(k)];
+}
 
 struct OpDef : OrtCustomOp {
   OpKind kind;
@@ -262,37 +307,34 @@ struct OpDef : OrtCustomOp {
     version = ORT_API_VERSION;
     CreateKernel = nullptr;
     KernelCompute = nullptr;
-    GetName = [](const OrtCustomOp* op) {
-      return static_cast<const OpDef*>(op)->kind == OpKind::kCacheAttention ? "CacheAttention" : "CacheExport";
-    };
+    GetName = [](const OrtCustomOp* op) { return op_info(static_cast<const OpDef*>(op)->kind).name; };
     GetExecutionProviderType = [](const OrtCustomOp* op) { return static_cast<const OpDef*>(op)->ep; };
-    GetInputTypeCount = [](const OrtCustomOp* op) -> size_t {
-      return static_cast<const OpDef*>(op)->kind == OpKind::kCacheAttention ? 6 : 2;
-    };
+    GetInputTypeCount = [](const OrtCustomOp* op) -> size_t { return op_info(static_cast<const OpDef*>(op)->kind).inputs; };
     GetInputType = [](const OrtCustomOp* op, size_t i) {
-      const OpDef* d = static_cast<const OpDef*>(op);
-      if (d->kind == OpKind::kCacheAttention)
-        return i == 3 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 : ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
-      return i == 0 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 : ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+      return i == op_info(static_cast<const OpDef*>(op)->kind).cache_input ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64
+                                                                          : ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
     };
-    GetOutputTypeCount = [](const OrtCustomOp* op) -> size_t {
-      return static_cast<const OpDef*>(op)->kind == OpKind::kCacheAttention ? 1 : 2;
+    GetOutputTypeCount = [](const OrtCustomOp* op) -> size_t { return op_info(static_cast<const OpDef*>(op)->kind).outputs; };
+    GetOutputType = [](const OrtCustomOp* op, size_t) {
+      return static_cast<const OpDef*>(op)->kind == OpKind::kCacheCommit ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64
+                                                                         : ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
     };
-    GetOutputType = [](const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED; };
     KernelDestroy = [](void* k) {
-      // Both kernel types are destroyed through this one callback: tag dispatch.
+      // Every kernel type is destroyed through this one callback: tag dispatch.
       auto* base = static_cast<KernelHolder*>(k);
       delete base;
     };
     GetInputCharacteristic = [](const OrtCustomOp* op, size_t i) {
-      const OpDef* d = static_cast<const OpDef*>(op);
-      const size_t required = d->kind == OpKind::kCacheAttention ? 4 : 1;
-      return i < required ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;
+      const OpInfo& d = op_info(static_cast<const OpDef*>(op)->kind);
+      if (d.variadic_tail && i == d.inputs - 1) return INPUT_OUTPUT_VARIADIC;
+      return i < d.required_inputs ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;
     };
     GetOutputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
     GetInputMemoryType = [](const OrtCustomOp*, size_t) { return OrtMemTypeDefault; };
     GetVariadicInputMinArity = [](const OrtCustomOp*) { return 1; };
-    GetVariadicInputHomogeneity = [](const OrtCustomOp*) { return 1; };
+    GetVariadicInputHomogeneity = [](const OrtCustomOp* op) {
+      return static_cast<const OpDef*>(op)->kind == OpKind::kCacheCommit ? 0 : 1;  // `after` mixes types
+    };
     GetVariadicOutputMinArity = [](const OrtCustomOp*) { return 1; };
     GetVariadicOutputHomogeneity = [](const OrtCustomOp*) { return 1; };
     CreateKernelV2 = [](const OrtCustomOp* op, const OrtApi*, const OrtKernelInfo* info, void** out) -> OrtStatus* {
@@ -312,8 +354,11 @@ struct OpDef : OrtCustomOp {
           a.is_causal = attr_int(info, "is_causal", 0);
           a.softcap = attr_float(info, "softcap", 0.0f);
           a.local_window_size = attr_int(info, "local_window_size", -1);
+          a.commit_node = attr_int(info, "commit_node", 0);
           ops::validate(a);  // a bad model fails at session creation
           holder->attention.node = node;
+        } else if (d->kind == OpKind::kCacheCommit) {
+          holder->committer.node = node;
         } else {
           bool has_layer = false;
           holder->exporter.layer = attr_int(info, "layer", -1, &has_layer);
@@ -329,9 +374,16 @@ struct OpDef : OrtCustomOp {
     };
     KernelComputeV2 = [](void* k, OrtKernelContext* ctx) -> OrtStatus* {
       auto* h = static_cast<KernelHolder*>(k);
-      return h->kind == OpKind::kCacheAttention ? h->attention.compute(ctx) : h->exporter.compute(ctx);
+      switch (h->kind) {
+        case OpKind::kCacheAttention: return h->attention.compute(ctx);
+        case OpKind::kCacheExport: return h->exporter.compute(ctx);
+        case OpKind::kCacheCommit: return h->committer.compute(ctx);
+      }
+      return nullptr;
     };
-    InferOutputShapeFn = kind == OpKind::kCacheAttention ? infer_cache_attention : infer_cache_export;
+    InferOutputShapeFn = kind == OpKind::kCacheAttention ? infer_cache_attention
+                         : kind == OpKind::kCacheExport  ? infer_cache_export
+                                                         : infer_cache_commit;
     GetStartVersion = [](const OrtCustomOp*) { return 1; };
     GetEndVersion = [](const OrtCustomOp*) { return (1 << 30); };
     GetMayInplace = nullptr;
@@ -344,6 +396,7 @@ struct OpDef : OrtCustomOp {
     OpKind kind;
     CacheAttentionKernel attention;
     CacheExportKernel exporter;
+    CacheCommitKernel committer;
   };
 };
 
@@ -351,6 +404,8 @@ const OpDef g_cpu_attention(OpKind::kCacheAttention, nullptr);
 const OpDef g_cpu_export(OpKind::kCacheExport, nullptr);
 const OpDef g_ep_attention(OpKind::kCacheAttention, kEpName);
 const OpDef g_ep_export(OpKind::kCacheExport, kEpName);
+const OpDef g_cpu_commit(OpKind::kCacheCommit, nullptr);
+const OpDef g_ep_commit(OpKind::kCacheCommit, kEpName);
 
 }  // namespace
 
@@ -362,7 +417,7 @@ OrtStatus* add_custom_op_domain(OrtSessionOptions* options) {
   static OrtStatus* init_error = nullptr;
   std::call_once(once, [] {
     OrtStatus* st = api().CreateCustomOpDomain(kDomain, &domain);
-    for (const OpDef* op : {&g_cpu_attention, &g_cpu_export, &g_ep_attention, &g_ep_export})
+    for (const OpDef* op : {&g_cpu_attention, &g_cpu_export, &g_cpu_commit, &g_ep_attention, &g_ep_export, &g_ep_commit})
       if (st == nullptr) st = api().CustomOpDomain_Add(domain, op);
     if (st) {
       init_error = st;

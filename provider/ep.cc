@@ -5,14 +5,14 @@
 // The EP claims ai.onnx_light nodes one by one (EpGraphSupportInfo_AddSingleNode);
 // ORT then runs the EP-typed custom-op kernels registered in custom_ops.cc.
 // It registers no allocator and no data transfer: inputs and outputs stay in
-// ORT's CPU memory, zero-copy. At the start of every run it discards partial
-// cache steps that a failed earlier run on the same thread left behind.
+// ORT's CPU memory, zero-copy. OnRunStart/OnRunEnd bound each run for the
+// cache arena: a step the run leaves incomplete is rolled back at its end.
 #include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
 
-#include "kvcache/kv_cache.h"
+#include "kvcache/run_scope.h"
 #include "provider/custom_ops.h"
 #include "provider/ep_attention.h"
 #include "provider/ort_api.h"
@@ -53,15 +53,20 @@ struct Ep : OrtEp {
     GetPreferredDataLayout = nullptr;
     ShouldConvertDataLayoutForOp = nullptr;
     SetDynamicOptions = nullptr;
+    // Run boundaries for the arena (kvcache/run_scope.h): a step this run leaves incomplete is
+    // rolled back at OnRunEnd (ORT calls it after a failed run too, without the status).
     OnRunStart = [](OrtEp*, const OrtRunOptions*) noexcept -> OrtStatus* {
       try {
-        Registry::instance().discard_steps_of_current_thread();
+        run_scope::begin(/*deferred=*/false);
         return nullptr;
       } catch (const std::exception& e) {
         return make_status(ORT_FAIL, e.what());
       }
     };
-    OnRunEnd = nullptr;
+    OnRunEnd = [](OrtEp*, const OrtRunOptions*, bool) noexcept -> OrtStatus* {
+      run_scope::end(/*ok=*/false);
+      return nullptr;
+    };
     CreateAllocator = nullptr;
     CreateSyncStreamForDevice = nullptr;
     GetCompiledModelCompatibilityInfo = nullptr;
@@ -84,7 +89,8 @@ struct Ep : OrtEp {
         if (OrtStatus* st = api().Node_GetDomain(node, &domain)) return st;
         if (OrtStatus* st = api().Node_GetOperatorType(node, &op)) return st;
         if (domain && op && std::strcmp(domain, kDomain) == 0) {
-          if (std::strcmp(op, "CacheAttention") == 0 || std::strcmp(op, "CacheExport") == 0) {
+          if (std::strcmp(op, "CacheAttention") == 0 || std::strcmp(op, "CacheExport") == 0 ||
+              std::strcmp(op, "CacheCommit") == 0) {
             if (OrtStatus* st = ep_api().EpGraphSupportInfo_AddSingleNode(info, node)) return st;
           } else {
             log(ep->logger, ORT_LOGGING_LEVEL_VERBOSE, std::string("OnnxLightExecutionProvider: not claiming ") + op);

@@ -4,6 +4,8 @@
 #include <mutex>
 #include <stdexcept>
 
+#include "kvcache/errors.h"
+
 namespace olep {
 namespace provider {
 
@@ -100,8 +102,13 @@ ops::ParallelFor ort_parallel_for(OrtKernelContext* ctx) {
 }
 
 OrtStatus* to_status(const std::exception& e, const std::string& node) {
-  const bool bad_input = dynamic_cast<const std::invalid_argument*>(&e) != nullptr;
-  return make_status(bad_input ? ORT_INVALID_ARGUMENT : ORT_FAIL, "[" + node + "] " + e.what());
+  // The arena's error kind leads the message ("KVCacheMemoryError: ...", "KVCacheBusyError: ..."),
+  // so Python (onnx_light_ep.InferenceSession) and any C host can tell a memory limit from a bad
+  // argument; the node name follows it.
+  const std::string kind = error_kind(e);
+  const bool bad_input = kind == "ValueError";
+  const std::string prefix = bad_input || kind.empty() ? "" : kind + ": ";
+  return make_status(bad_input ? ORT_INVALID_ARGUMENT : ORT_FAIL, prefix + "[" + node + "] " + e.what());
 }
 
 }  // namespace provider

@@ -58,10 +58,13 @@ def _model(nodes, inputs, outputs, opsets, name, initializers=()):
 def cache_attention_model(*, layer_count=1, q_num_heads, kv_num_heads, head_dim, v_head_dim=None,
                           dtype="float32", rank=4, with_mask=None, mask_rank=4,
                           with_seqlens_k=False, seqlens_k_rank=1, is_causal=0, softcap=0.0,
-                          local_window_size=-1, scale=None, with_export=False, chain_layers=True):
+                          local_window_size=-1, scale=None, with_export=False, chain_layers=True,
+                          with_commit=False):
     """``chain_layers``: layer l>0 reads ``query_{l}`` through a Reshape whose target shape
     depends on ``Y_{l-1}`` (value-preserving, bit-exact, any dtype), so ORT must run the layers
-    in order 0..n-1 as in a real decoder (independent nodes may be scheduled in any order)."""
+    in order 0..n-1 as in a real decoder (independent nodes may be scheduled in any order).
+    ``with_commit``: the layers carry ``commit_node=1`` and a ``CacheCommit`` node after every
+    output commits the step (output ``kv_cache_seq_lens``), as ``convert`` writes it."""
     t = onnx_type(dtype)
     dv = head_dim if v_head_dim is None else v_head_dim
     qs, ks, vs, ys = _qkv_shapes(rank, q_num_heads, kv_num_heads, head_dim, dv)
@@ -106,6 +109,8 @@ def cache_attention_model(*, layer_count=1, q_num_heads, kv_num_heads, head_dim,
             attrs["softcap"] = float(softcap)
         if local_window_size != -1:
             attrs["local_window_size"] = int(local_window_size)
+        if with_commit:
+            attrs["commit_node"] = 1
         nodes.append(helper.make_node("CacheAttention", ins, [f"Y_{l}"], name=f"cache_attention_{l}",
                                       domain=DOMAIN, **attrs))
         outputs.append(helper.make_tensor_value_info(f"Y_{l}", t, ys))
@@ -116,6 +121,10 @@ def cache_attention_model(*, layer_count=1, q_num_heads, kv_num_heads, head_dim,
             outputs += [
                 helper.make_tensor_value_info(f"present_key_{l}", t, ["batch", kv_num_heads, "total", head_dim]),
                 helper.make_tensor_value_info(f"present_value_{l}", t, ["batch", kv_num_heads, "total", dv])]
+    if with_commit:
+        nodes.append(helper.make_node("CacheCommit", ["kv_cache"] + [o.name for o in outputs],
+                                      ["kv_cache_seq_lens"], name="cache_commit", domain=DOMAIN))
+        outputs.append(helper.make_tensor_value_info("kv_cache_seq_lens", TensorProto.INT64, ["batch"]))
     return _model(nodes, inputs, outputs, [("", 23), (DOMAIN, 1)], "cache_attention", inits)
 
 

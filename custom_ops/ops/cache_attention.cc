@@ -8,7 +8,9 @@
 #include <vector>
 
 #include "kernels/attention.h"
-#include "kvcache/kv_cache.h"
+#include "kvcache/errors.h"
+#include "kvcache/registry.h"
+#include "kvcache/run_scope.h"
 
 namespace olep {
 namespace ops {
@@ -32,6 +34,7 @@ void validate(const CacheAttentionAttrs& a) {
   if (!(a.softcap >= 0.0f) || std::isinf(a.softcap)) fail("attribute 'softcap' must be finite and >= 0 (0 = off)");
   if (a.local_window_size == 0 || a.local_window_size < -1)
     fail("attribute 'local_window_size' must be -1 (none) or >= 1; got " + str(a.local_window_size));
+  if (a.commit_node != 0 && a.commit_node != 1) fail("attribute 'commit_node' must be 0 or 1; got " + str(a.commit_node));
 }
 
 namespace {
@@ -40,11 +43,21 @@ void cache_attention_impl(const CacheAttentionAttrs& a, const Tensor& query, con
                           const ParallelFor& parallel_for);
 }  // namespace
 
+namespace {
+std::shared_ptr<KVCache> cache_of(const Tensor& cache_t, const char* op) {
+  const int64_t handle = read_cache_handle(cache_t, op);
+  try {
+    return Registry::instance().cache(handle);
+  } catch (...) {
+    rethrow_with_prefix(std::string(op) + ": input 'cache': ");
+  }
+}
+}  // namespace
+
 void cache_attention(const CacheAttentionAttrs& a, const Tensor& query, const Tensor& key, const Tensor& value,
                      const Tensor& cache_t, const Tensor* mask, const Tensor* seqlens_k, void* y,
                      const ParallelFor& parallel_for) {
-  const int64_t handle = read_cache_handle(cache_t, "CacheAttention");
-  std::shared_ptr<KVCache> cache = Registry::instance().get(handle, "CacheAttention: input 'cache'");
+  std::shared_ptr<KVCache> cache = cache_of(cache_t, "CacheAttention");
   try {
     cache_attention_impl(a, query, key, value, cache, mask, seqlens_k, y, parallel_for);
   } catch (...) {
@@ -55,7 +68,7 @@ void cache_attention(const CacheAttentionAttrs& a, const Tensor& query, const Te
 
 void note_failed_run(const Tensor& cache_t) noexcept {
   try {
-    Registry::instance().get(read_cache_handle(cache_t, "CacheAttention"), "CacheAttention")->mark_step_failed();
+    cache_of(cache_t, "CacheAttention")->mark_step_failed();
   } catch (...) {
   }
 }
@@ -81,6 +94,19 @@ void cache_attention_impl(const CacheAttentionAttrs& a, const Tensor& query, con
   if (a.layer >= g.num_layers)
     fail("attribute 'layer' (" + str(a.layer) + ") must be < num_layers of input 'cache' (" + str(g.num_layers) + ")");
 
+  if (a.graph_layers > 0 && a.graph_layers != g.num_layers)
+    fail("the model has " + str(a.graph_layers) + " attention layers on this cache input but input 'cache' has "
+         "num_layers=" + str(g.num_layers) + " (create the cache with KVCache.for_model, or num_layers=" +
+         str(a.graph_layers) + ")");
+  const int64_t cache_window = g.window(a.layer);
+  if (cache_window > 0 && (a.local_window_size <= 0 || a.local_window_size > cache_window))
+    fail("layer " + str(a.layer) + " of input 'cache' keeps only the last sliding_window=" + str(cache_window) +
+         " positions (plus rollback_tokens) but this node attends " +
+         (a.local_window_size <= 0 ? std::string("without a window (local_window_size=-1)")
+                                   : "to local_window_size=" + str(a.local_window_size) + " keys") +
+         "; the node needs local_window_size <= " + str(cache_window) +
+         ", or a cache without sliding_window on this layer");
+
   auto lock = cache->lock();
   const std::vector<int64_t> past = cache->lengths_locked();
 
@@ -90,17 +116,19 @@ void cache_attention_impl(const CacheAttentionAttrs& a, const Tensor& query, con
     const bool shape_ok = (seqlens_k->shape.size() == 1 && seqlens_k->shape[0] == d.batch) ||
                           (seqlens_k->shape.size() == 2 && seqlens_k->shape[0] == d.batch && seqlens_k->shape[1] == 1);
     if (!shape_ok || (seqlens_k->type != ElemType::kInt32 && seqlens_k->type != ElemType::kInt64))
-      fail("input 'seqlens_k' must be int32 [" + str(d.batch) + "] or [" + str(d.batch) + ", 1]; got " +
+      fail("input 'seqlens_k' must be int32 or int64 [" + str(d.batch) + "] or [" + str(d.batch) + ", 1]; got " +
            elem_type_name(seqlens_k->type) + " " + shape_str(seqlens_k->shape));
     for (int64_t b = 0; b < d.batch; ++b) {
       const int64_t sk = seqlens_k->type == ElemType::kInt32 ? static_cast<const int32_t*>(seqlens_k->data)[b]
                                                              : static_cast<const int64_t*>(seqlens_k->data)[b];
-      const int64_t n = sk + 1 - past[static_cast<size_t>(b)];
-      if (n < 0 || n > d.seq)
-        fail("input 'seqlens_k'[" + str(b) + "] = " + str(sk) + " must be in [" + str(past[static_cast<size_t>(b)] - 1) +
-             ", " + str(past[static_cast<size_t>(b)] + d.seq - 1) + "] (total valid length - 1; the cache holds " +
-             str(past[static_cast<size_t>(b)]) + " tokens and S=" + str(d.seq) + ")");
-      num_new[static_cast<size_t>(b)] = n;
+      // sk must be in [P - 1, P + S - 1]; P <= 2^24 and S is a tensor dimension, so the bounds
+      // cannot overflow, and n = sk - (P - 1) is computed only once sk is inside them.
+      const int64_t lo = past[static_cast<size_t>(b)] - 1, hi = past[static_cast<size_t>(b)] + d.seq - 1;
+      if (sk < lo || sk > hi)
+        fail("input 'seqlens_k'[" + str(b) + "] = " + str(sk) + " must be in [" + str(lo) + ", " + str(hi) +
+             "] (total valid length - 1; the cache holds " + str(past[static_cast<size_t>(b)]) + " tokens and S=" +
+             str(d.seq) + ")");
+      num_new[static_cast<size_t>(b)] = sk - lo;
     }
   }
   int64_t max_keys = 0;
@@ -110,8 +138,12 @@ void cache_attention_impl(const CacheAttentionAttrs& a, const Tensor& query, con
   MaskSpec mask_spec;
   if (mask) mask_spec = parse_mask("CacheAttention", *mask, d, max_keys);
 
-  // Nothing has been written yet; from here on the cache changes.
-  cache->begin_layer_append(a.layer, d.seq, num_new);
+  // Nothing has been written yet; from here on the run's step changes (invisible until it commits).
+  try {
+    cache->begin_layer_append(a.layer, d.seq, num_new, a.commit_node != 0);
+  } catch (...) {
+    rethrow_with_prefix("CacheAttention: input 'cache': ");
+  }
   int64_t ks[3], vs[3];
   layout_strides(d.rank, d.kv_heads, d.seq, d.head_dim, ks);
   layout_strides(d.rank, d.kv_heads, d.seq, d.v_head_dim, vs);
@@ -139,7 +171,12 @@ void cache_attention_impl(const CacheAttentionAttrs& a, const Tensor& query, con
   for (int64_t b = 0; b < d.batch; ++b)
     call.num_keys[static_cast<size_t>(b)] = past[static_cast<size_t>(b)] + num_new[static_cast<size_t>(b)];
   call.mask = mask ? &mask_spec : nullptr;
-  cache->block_list(a.layer, call.num_keys, &call.blocks);
+  // With a window, keys before the first row's window are never read: leave their pages out.
+  std::vector<int64_t> first_key;
+  if (a.local_window_size > 0)
+    for (int64_t b = 0; b < d.batch; ++b)
+      first_key.push_back(std::max<int64_t>(0, past[static_cast<size_t>(b)] - a.local_window_size + 1));
+  cache->block_list(a.layer, first_key, call.num_keys, &call.blocks);
   run_attention(call, parallel_for);
   cache->finish_layer_append(a.layer);
 }
@@ -147,8 +184,7 @@ void cache_attention_impl(const CacheAttentionAttrs& a, const Tensor& query, con
 
 void cache_export(int64_t layer, const Tensor& cache_t, const ExportOutputs& alloc) {
   if (layer < 0) throw std::invalid_argument("CacheExport: attribute 'layer' is required and must be >= 0");
-  const int64_t handle = read_cache_handle(cache_t, "CacheExport");
-  std::shared_ptr<KVCache> cache = Registry::instance().get(handle, "CacheExport: input 'cache'");
+  std::shared_ptr<KVCache> cache = cache_of(cache_t, "CacheExport");
   const CacheGeometry& g = cache->geometry();
   if (layer >= g.num_layers)
     throw std::invalid_argument("CacheExport: attribute 'layer' (" + str(layer) + ") must be < num_layers of input "
@@ -165,6 +201,21 @@ void cache_export(int64_t layer, const Tensor& cache_t, const ExportOutputs& all
     }
     return out;
   });
+}
+
+void cache_commit(const Tensor& cache_t, const std::function<int64_t*(int64_t batch)>& alloc) {
+  std::shared_ptr<KVCache> cache = cache_of(cache_t, "CacheCommit");
+  std::vector<int64_t> lens;
+  {
+    auto lock = cache->lock();
+    try {
+      lens = cache->complete_step();
+    } catch (...) {
+      rethrow_with_prefix("CacheCommit: input 'cache': ");
+    }
+  }
+  int64_t* out = alloc(static_cast<int64_t>(lens.size()));
+  std::copy(lens.begin(), lens.end(), out);
 }
 
 }  // namespace ops

@@ -24,6 +24,12 @@ struct CacheAttentionAttrs {
   int64_t is_causal = 0;
   float softcap = 0.0f;
   int64_t local_window_size = -1;
+  /// 1: a CacheCommit node completes the run's step (the converter writes it); 0: the last layer does.
+  int64_t commit_node = 0;
+  /// Not an attribute: the number of CacheAttention layers the EP saw on this node's cache input
+  /// at session creation (0 = unknown, the CPU EP path). A cache whose num_layers differs fails
+  /// the run before anything is written.
+  int64_t graph_layers = 0;
 };
 
 /// Throws std::invalid_argument ("CacheAttention: attribute '<name>' ...") for bad values.
@@ -31,8 +37,8 @@ void validate(const CacheAttentionAttrs& a);
 
 /// Appends key/value to layer a.layer of the cache named by `cache` and writes
 /// Y (query's dtype, output_shape(d)) to `y`. mask and seqlens_k may be null.
-/// Throws std::invalid_argument (bad input) or std::runtime_error (cache state:
-/// limit reached, concurrent run); nothing is written to the cache then.
+/// Throws std::invalid_argument (bad input), MemoryLimitError or BusyError (kvcache/errors.h);
+/// the cache is unchanged then (the run's step is rolled back when the run ends).
 void cache_attention(const CacheAttentionAttrs& a, const Tensor& query, const Tensor& key, const Tensor& value,
                      const Tensor& cache, const Tensor* attn_mask, const Tensor* seqlens_k, void* y,
                      const ParallelFor& parallel_for);
@@ -41,6 +47,12 @@ void cache_attention(const CacheAttentionAttrs& a, const Tensor& query, const Te
 /// `cache` as failed, for errors raised outside cache_attention (e.g. while preparing
 /// outputs), so the short-model diagnosis does not count that run.
 void note_failed_run(const Tensor& cache) noexcept;
+
+/// CacheCommit: completes the current run's step on the cache named by `cache` (every layer
+/// must have appended in this run) and returns the lengths it gives each sequence (int64
+/// [batch]) through `alloc(batch)`. Throws std::invalid_argument for a model with fewer
+/// attention layers than the cache (certain: the node runs after every graph output).
+void cache_commit(const Tensor& cache, const std::function<int64_t*(int64_t batch)>& alloc);
 
 /// CacheExport: layer `layer` as BNSH present_key [B, Hkv, L, D], present_value
 /// [B, Hkv, L, Dv], including this thread's pending rows of that layer.

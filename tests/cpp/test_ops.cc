@@ -6,7 +6,7 @@
 #include <vector>
 
 #include "check.h"
-#include "kvcache/kv_cache.h"
+#include "kvcache/registry.h"
 #include "ops/cache_attention.h"
 
 using namespace olep;
@@ -49,7 +49,7 @@ int64_t make_cache(int64_t layers, int64_t B, int64_t Hkv, int64_t D, int64_t ca
   g.head_dim = D;
   g.v_head_dim = D;
   g.max_sequence_length = cap;
-  return Registry::instance().add(std::make_unique<KVCache>(g));
+  return Registry::instance().add_cache(std::make_shared<KVCache>(g, nullptr));
 }
 
 void test_validation_names_inputs() {
@@ -63,7 +63,7 @@ void test_validation_names_inputs() {
   const Tensor cache = i64(&h, {1});
   cache_attention(a, f32(q, {B, Hq, S, D}), f32(k, {B, Hkv, S, D}), f32(v, {B, Hkv, S, D}), cache, nullptr, nullptr,
                   y.data(), nullptr);
-  auto c = Registry::instance().get(h, "test");
+  auto c = Registry::instance().cache(h);
   CHECK((c->seq_lens() == std::vector<int64_t>{3, 3}));
 
   auto k_bad = randn(B * Hkv * S * 4, 4);
@@ -111,7 +111,7 @@ void test_validation_names_inputs() {
   bad.layer = -1;
   EXPECT_THROW(validate(bad), std::invalid_argument, "attribute 'layer' is required");
   CHECK((c->seq_lens() == std::vector<int64_t>{3, 3}));  // nothing above touched the cache
-  Registry::instance().release(h, "test");
+  Registry::instance().release_cache(h);
 }
 
 void test_3d_equals_4d_and_export() {
@@ -148,8 +148,8 @@ void test_3d_equals_4d_and_export() {
   CHECK(k4.size() == static_cast<size_t>(B * Hkv * 9 * D));
   CHECK(k4 == k3 && v4 == v3);
   EXPECT_THROW(cache_export(1, i64(&h4, {1}), grab(k4, v4)), std::invalid_argument, "attribute 'layer' (1)");
-  Registry::instance().release(h4, "test");
-  Registry::instance().release(h3, "test");
+  Registry::instance().release_cache(h4);
+  Registry::instance().release_cache(h3);
 }
 
 void test_seqlens_k_right_padding() {
@@ -168,7 +168,7 @@ void test_seqlens_k_right_padding() {
   std::vector<float> y(q.size());
   cache_attention(a, f32(q, {B, Hq, 4, D}), f32(k, {B, Hkv, 4, D}), f32(v, {B, Hkv, 4, D}), i64(&h, {1}), nullptr,
                   &seq, y.data(), nullptr);
-  auto c = Registry::instance().get(h, "test");
+  auto c = Registry::instance().cache(h);
   CHECK((c->seq_lens() == std::vector<int64_t>{4, 2}));
   for (int64_t hq = 0; hq < Hq; ++hq)  // padded query rows of sequence 1 are zeros
     for (int64_t s = 2; s < 4; ++s)
@@ -193,7 +193,7 @@ void test_seqlens_k_right_padding() {
       CHECK(ke[static_cast<size_t>(((1 * Hkv + hk) * 5 + 2) * D + d)] == k1[static_cast<size_t>((1 * Hkv + hk) * D + d)]);
       CHECK(ke[static_cast<size_t>(((1 * Hkv + hk) * 5 + 3) * D + d)] == 0.0f);
     }
-  Registry::instance().release(h, "test");
+  Registry::instance().release_cache(h);
 }
 
 }  // namespace

@@ -106,14 +106,31 @@ def test_nan_in_visible_key_propagates(mode):
     np.testing.assert_allclose(y, ref_attn(q, k, k, past, past)[0], atol=FP32_ATOL, rtol=FP32_RTOL)
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_cache_with_more_layers_than_model_is_reported(mode):
+@pytest.mark.parametrize("mode,with_commit", [("ep", False), ("ep", True), ("cpu", True)])
+def test_cache_with_more_layers_than_model_is_reported(mode, with_commit):
+    """Certain, so reported at the first run: onnx_light_ep.InferenceSession knows the run
+    succeeded with layers missing; a CacheCommit node runs after every output and sees them."""
     rng = np.random.default_rng(2)
-    sess = _session(cache_attention_model(q_num_heads=2, kv_num_heads=1, head_dim=8, is_causal=1), mode)
+    sess = _session(cache_attention_model(q_num_heads=2, kv_num_heads=1, head_dim=8, is_causal=1,
+                                          with_commit=with_commit), mode)
     feeds = {n: rng.standard_normal((1, h, 1, 8), dtype=np.float32)
              for n, h in (("query_0", 2), ("key_0", 1), ("value_0", 1))}
     with KVCache(2, 1, 1, 8, max_sequence_length=16) as cache:  # 2 layers, model has 1
-        with pytest.raises(Exception, match="fewer attention layers than the cache"):
-            for _ in range(4):
+        for _ in range(3):
+            with pytest.raises(Exception, match="fewer attention layers than the cache"):
                 sess.run(None, dict(feeds, kv_cache=cache.handle))
-        assert cache.seq_lens.tolist() == [0]
+            assert cache.seq_lens.tolist() == [0]
+            assert cache.stats()["reserved_bytes"] == 0
+
+
+def test_cache_with_more_layers_than_model_on_plain_cpu_without_commit_node():
+    """A plain ORT CPU session of a graph without CacheCommit gives no run boundary: the step
+    never completes, so nothing is appended (never a wrong length), and no error can be certain."""
+    rng = np.random.default_rng(2)
+    sess = _session(cache_attention_model(q_num_heads=2, kv_num_heads=1, head_dim=8, is_causal=1), "cpu")
+    feeds = {n: rng.standard_normal((1, h, 1, 8), dtype=np.float32)
+             for n, h in (("query_0", 2), ("key_0", 1), ("value_0", 1))}
+    with KVCache(2, 1, 1, 8, max_sequence_length=16) as cache:
+        for _ in range(4):
+            sess.run(None, dict(feeds, kv_cache=cache.handle))
+            assert cache.seq_lens.tolist() == [0]

@@ -296,27 +296,26 @@ def test_max_sequence_length_reached(mode):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_memory_limit_reached(mode):
-    """Rows of 256 bytes (D=64 float32): committed bytes are page-rounded per
-    row block, so probe unlimited caches for the committed size of the target
-    states and put the limit strictly between 'fits' and 'too big'."""
+    """Pages of P=32 positions (D=64 float32: 16 KiB each): probe unlimited
+    caches for the committed size of the target states and put the limit
+    strictly between 'fits' and 'too big'. The refusal is a KVCacheMemoryError
+    (its kind leads the ORT message) and changes nothing."""
     rng = np.random.default_rng(8)
-    d, hq, hkv, b = 64, 2, 1, 1
-    page = os.sysconf("SC_PAGE_SIZE")
-    rows = page // (d * 4)
-    s1, s2, s3 = rows // 2, 3 * rows, rows // 2
+    d, hq, hkv, b, P = 64, 2, 1, 1, 32
+    s1, s2, s3 = P // 2, 3 * P, P // 2
     sess = session(mode, 1)
 
     def committed_after(*steps):
-        with KVCache(1, b, hkv, d, max_sequence_length=8 * rows) as p:
+        with KVCache(1, b, hkv, d, max_sequence_length=8 * P, page_tokens=P) as p:
             for s in steps:
                 run(sess, p, random_qkv(rng, 1, b, hq, hkv, s, d))
             return p.stats()["committed_bytes"]
 
     fits = committed_after(s1, s3)
     too_big = committed_after(s1, s2)
-    assert too_big > fits, (fits, too_big)
+    assert fits == 1 * P * 2 * d * 4 and too_big == 4 * P * 2 * d * 4, (fits, too_big)
     limit = (fits + too_big) // 2
-    c = KVCache(1, b, hkv, d, max_sequence_length=8 * rows, memory_limit_bytes=limit)
+    c = KVCache(1, b, hkv, d, max_sequence_length=8 * P, memory_limit_bytes=limit, page_tokens=P)
     ref = RefCache(1, b, hkv, d)
 
     def good(s, what):
@@ -327,15 +326,56 @@ def test_memory_limit_reached(mode):
 
     good(s1, "first")
     snap, st = snapshot(c), c.stats()
-    msg = expect_run_error(sess, c, random_qkv(rng, 1, b, hq, hkv, s2, d))
-    assert names(msg, "memory_limit_bytes", "memory"), msg
+    with pytest.raises(Exception) as ei:
+        run(sess, c, random_qkv(rng, 1, b, hq, hkv, s2, d))
+    msg = str(ei.value)
+    if mode == "ep":  # onnx_light_ep.InferenceSession re-raises the arena's kind
+        assert isinstance(ei.value, onnx_light_ep.KVCacheMemoryError), type(ei.value)
+        assert isinstance(ei.value, MemoryError)
+    else:  # plain ORT: the kind leads ORT's status message
+        assert "KVCacheMemoryError: " in msg, msg
+    assert names(msg, "memory_limit_bytes"), msg
+    assert str(limit) in msg, msg  # names the limit
     assert_snapshot_equal(c, snap, "after over-limit run")
     st2 = c.stats()
-    assert st2["committed_bytes"] <= limit
-    assert st2["bytes_appended"] == st["bytes_appended"]
+    st2.pop("bytes_copied"), st.pop("bytes_copied")  # snapshot() exports, which counts copies
+    assert st2 == st, (st, st2)
     good(s3, "next valid run")
     assert c.stats()["committed_bytes"] <= limit
     c.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_pool_budget_reached(mode):
+    """Two caches in one KVPool: the second cache's step that would pass the
+    pool's budget fails with KVCacheMemoryError naming the pool's limit; both
+    caches are unchanged and the pool's live bytes are as before."""
+    rng = np.random.default_rng(18)
+    d, hq, hkv, b, P = 64, 2, 1, 1, 32
+    page = P * 2 * d * 4
+    sess = session(mode, 1)
+    with onnx_light_ep.KVPool(memory_limit_bytes=3 * page, page_tokens=P) as pool:
+        c1 = KVCache(1, b, hkv, d, max_sequence_length=8 * P, pool=pool)
+        c2 = KVCache(1, b, hkv, d, max_sequence_length=8 * P, pool=pool)
+        assert c1.page_tokens == P
+        run(sess, c1, random_qkv(rng, 1, b, hq, hkv, 2 * P, d))  # 2 pages
+        run(sess, c2, random_qkv(rng, 1, b, hq, hkv, P, d))      # 1 page: the budget is full
+        snaps, before = (snapshot(c1), snapshot(c2)), pool.stats()
+        assert before["live_bytes"] == 3 * page
+        with pytest.raises(Exception) as ei:
+            run(sess, c2, random_qkv(rng, 1, b, hq, hkv, 1, d))
+        kind_and_msg = f"{type(ei.value).__name__}: {ei.value}"
+        assert "KVCacheMemoryError" in kind_and_msg, kind_and_msg
+        assert "pool memory_limit_bytes is " + str(3 * page) in kind_and_msg, kind_and_msg
+        assert_snapshot_equal(c1, snaps[0], "c1")
+        assert_snapshot_equal(c2, snaps[1], "c2")
+        assert pool.stats()["live_bytes"] == before["live_bytes"]
+        c1.truncate([P])  # frees a page: now it fits
+        run(sess, c2, random_qkv(rng, 1, b, hq, hkv, 1, d))
+        assert c2.seq_lens.tolist() == [P + 1]
+        c1.close()
+        c2.close()
+        assert pool.stats()["live_bytes"] == 0 and pool.stats()["committed_bytes"] == 0
 
 
 # ---------------------------------------------------------------- isolation / lifetime
@@ -403,8 +443,10 @@ def test_one_session_two_threads_two_caches(mode):
 @pytest.mark.parametrize("mode", MODES)
 def test_same_cache_two_threads_never_interleave(mode):
     """Both threads append to ONE cache. Each run succeeds or fails with
-    'changed by another run' (the interrupted run fails); the result equals a serial order of the
-    successful runs (reconstructed from the distinct rows they appended)."""
+    KVCacheBusyError naming the competing run (a run that finds the cache owned
+    by the other, or an unbounded run whose step was taken over); the result
+    equals a serial order of the successful runs (reconstructed from the
+    distinct rows they appended)."""
     steps = 300
     sess = make_session(build_model(2, chain=True), mode, threads=1)
     S_of = [1, 2]
@@ -421,7 +463,7 @@ def test_same_cache_two_threads_never_interleave(mode):
             try:
                 outcome[t][i] = ("ok", run(sess, c, qkv))
             except Exception as e:
-                outcome[t][i] = ("err", str(e))
+                outcome[t][i] = ("err", f"{type(e).__name__}: {e}")
 
     th = [threading.Thread(target=worker, args=(t,)) for t in range(2)]
     for x in th:
@@ -430,7 +472,7 @@ def test_same_cache_two_threads_never_interleave(mode):
         x.join()
 
     unclear = [f"thread {t} step {i}: {val}" for t in range(2) for i, (kind, val) in enumerate(outcome[t])
-               if kind == "err" and "changed by another run" not in val]
+               if kind == "err" and not ("KVCacheBusyError" in val and " on thread " in val)]
     ok = [[i for i in range(steps) if outcome[t][i][0] == "ok"] for t in range(2)]
     total = sum(len(ok[t]) * S_of[t] for t in range(2))
     np.testing.assert_array_equal(c.seq_lens, [total, total])
@@ -524,13 +566,15 @@ def test_readers_concurrent_with_runs(mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_reorder_over_memory_limit(mode):
-    """Duplicating a long sequence over a short one needs more committed pages;
-    past memory_limit_bytes that is a ValueError and nothing changes."""
+def test_reorder_then_write_over_memory_limit(mode):
+    """Duplicating a long sequence over a short one shares its pages (0 bytes,
+    no quota needed); the next step writes into the now shared tail page and
+    must copy it first. Past memory_limit_bytes that step fails with
+    KVCacheMemoryError and nothing changes; a permutation keeps working."""
     rng = np.random.default_rng(16)
-    d, hq, hkv, b = 64, 2, 1, 2
-    rows = os.sysconf("SC_PAGE_SIZE") // (d * 4)
-    long_ = 2 * rows
+    d, hq, hkv, b, P = 64, 2, 1, 2, 32
+    long_ = P + P // 2  # a partly filled tail page
+    page = P * 2 * d * 4
     sess = session(mode, 1, seqlens_k=True)
 
     def fill(cache, ref):
@@ -539,24 +583,30 @@ def test_reorder_over_memory_limit(mode):
         got = run(sess, cache, qkv, np.array([long_ - 1, 0], np.int32))
         np.testing.assert_allclose(got[0], want[0], atol=ATOL, rtol=RTOL)
 
-    with KVCache(1, b, hkv, d, max_sequence_length=4 * rows) as p:
-        fill(p, RefCache(1, b, hkv, d))
-        short = p.stats()["committed_bytes"]
-        p.reorder([0, 0])
-        dup = p.stats()["committed_bytes"]
-    assert dup > short, (short, dup)
-    limit = (short + dup) // 2
-    c = KVCache(1, b, hkv, d, max_sequence_length=4 * rows, memory_limit_bytes=limit)
+    c = KVCache(1, b, hkv, d, max_sequence_length=4 * P, memory_limit_bytes=3 * page, page_tokens=P)
     ref = RefCache(1, b, hkv, d)
     fill(c, ref)
+    before = c.stats()
+    assert before["committed_bytes"] == 3 * page
+    c.reorder([0, 0])
+    ref.reorder([0, 0])
+    st = c.stats()
+    assert st["committed_bytes"] == 2 * page and st["shared_bytes"] == 2 * page, st
+    assert st["bytes_copied"] == before["bytes_copied"], (before, st)  # reorder copies nothing
     assert_cache_matches(c, ref)
+    st = c.stats()
     snap = snapshot(c)
-    with pytest.raises(ValueError) as ei:
-        c.reorder([0, 0])
-    assert names(str(ei.value), "memory_limit_bytes", "memory"), str(ei.value)
-    assert_snapshot_equal(c, snap, "after refused reorder")
-    assert c.stats()["committed_bytes"] <= limit
-    c.reorder([1, 0])  # a permutation needs no extra pages
+    # Both sequences write position long_: each needs a private copy of the shared tail page.
+    qkv = random_qkv(rng, 1, b, hq, hkv, 1, d)
+    with pytest.raises(Exception) as ei:
+        run(sess, c, qkv, np.array([long_, long_], np.int32))
+    kind_and_msg = f"{type(ei.value).__name__}: {ei.value}"
+    assert "KVCacheMemoryError" in kind_and_msg and "cache memory_limit_bytes is" in kind_and_msg, kind_and_msg
+    assert_snapshot_equal(c, snap, "after refused step")
+    after = c.stats()
+    after.pop("bytes_copied"), st.pop("bytes_copied")
+    assert after == st
+    c.reorder([1, 0])  # a permutation needs no pages
     ref.reorder([1, 0])
     assert_cache_matches(c, ref)
     c.close()

@@ -1,16 +1,16 @@
-"""Huge pages in the KVCache arena (custom_ops/kvcache/kv_cache.cc, promote_written).
+"""Slabs and huge pages of the page pool (custom_ops/kvcache/page_pool.cc).
 
-Blocks of >= 2 MiB (max_sequence_length * head_dim * element size) are laid out on 2 MiB
-boundaries and every fully written 2 MiB region is remapped with one huge page
-(MADV_COLLAPSE), because streaming K/V from 4 KiB pages reads at ~60% of the bandwidth.
-What must hold: the data is unchanged, committed memory is exactly the touched pages (only
-whole written regions are collapsed), truncating into a collapsed region frees what is past
-the new length and zeroes the rest of its page, and appending after that stays correct.
+Pages are carved from 2 MiB-aligned slabs that are faulted in at creation with
+MADV_HUGEPAGE and then MADV_COLLAPSE, because streaming K/V from 4 KiB pages
+reads at ~60% of the bandwidth of 2 MiB pages. What must hold: the data is
+unchanged; the pool's committed_bytes is exactly the slab bytes the process
+holds (resident anonymous memory grows by that much), every committed byte is
+in one of live / free / overhead; an empty slab is unmapped at once; slabs are
+huge-page backed where the kernel can collapse.
 """
 from __future__ import annotations
 
 import ctypes
-import mmap
 import sys
 from pathlib import Path
 
@@ -20,7 +20,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvcache_util import assert_bit_equal  # noqa: E402
 
-from onnx_light_ep import KVCache  # noqa: E402
+from onnx_light_ep import KVCache, KVPool, _core  # noqa: E402
 
 MIB2 = 2 << 20
 MADV_COLLAPSE = 25
@@ -28,7 +28,7 @@ MADV_COLLAPSE = 25
 
 def _kernel_collapses() -> bool:
     """MADV_COLLAPSE exists since Linux 6.1; older kernels answer EINVAL. Probed on a private
-    anonymous mapping, like the arena's."""
+    anonymous mapping, like the pool's slabs."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mmap.restype = ctypes.c_void_p
     libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
@@ -45,9 +45,9 @@ def _kernel_collapses() -> bool:
     return ok
 
 
-def _anon_huge_bytes() -> int:
+def _rollup(field: str) -> int:
     for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
-        if line.startswith("AnonHugePages:"):
+        if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
     return 0
 
@@ -58,120 +58,74 @@ def _past(rng, B, H, T, D, dtype=np.float32):
     return k, v
 
 
-def test_imported_past_is_exact_and_committed_exactly():
-    rng = np.random.default_rng(0)
-    B, H, T, D, cap = 2, 2, 5000, 128, 9000  # blocks of 9000*128*4 B = 4.4 MiB
-    k, v = _past(rng, B, H, T, D)
-    with KVCache.from_past(k, v, max_sequence_length=cap) as c:
-        ek, ev = c.export(0)
-        assert_bit_equal(ek, k[0])
-        assert_bit_equal(ev, v[0])
-        page = mmap.PAGESIZE
-        per_block = (T * D * 4 + page - 1) // page * page
-        assert c.stats()["committed_bytes"] == B * H * 2 * per_block
-
-
-@pytest.mark.skipif(not _kernel_collapses(), reason="this kernel has no MADV_COLLAPSE (Linux < 6.1)")
-def test_full_regions_become_huge_pages():
+def test_imported_past_is_exact_and_accounted():
     rng = np.random.default_rng(1)
-    B, H, T, D, cap = 1, 4, 4096 + 300, 128, 8192  # one full 2 MiB region per K and per V block
+    B, H, T, D = 2, 3, 1000, 64
     k, v = _past(rng, B, H, T, D)
-    before = _anon_huge_bytes()
-    with KVCache.from_past(k, v, max_sequence_length=cap) as c:
-        grown = _anon_huge_bytes() - before
-        full_regions = (T * D * 4) // MIB2  # per block
-        assert grown >= B * H * 2 * full_regions * MIB2, (grown, full_regions)
-        del c
+    with KVPool() as pool:
+        with KVCache.from_past(k, v, max_sequence_length=2048, pool=pool) as c:
+            ek, ev = c.export(0)
+            assert_bit_equal(ek, k[0], "K")
+            assert_bit_equal(ev, v[0], "V")
+            P = c.page_tokens
+            page = P * 2 * D * 4
+            pages = B * H * -(-T // P)
+            st, ps = c.stats(), pool.stats()
+            assert st["committed_bytes"] == pages * page
+            assert st["live_bytes"] == B * H * T * 2 * D * 4
+            assert ps["live_bytes"] == pages * page and ps["num_pages"] == pages
+            assert ps["committed_bytes"] == ps["live_bytes"] + ps["free_bytes"] + ps["overhead_bytes"]
+            assert ps["committed_bytes"] % MIB2 == 0 and ps["committed_bytes"] >= ps["live_bytes"]
+            assert ps["committed_bytes"] - ps["live_bytes"] < MIB2  # one partly used slab
+        ps = pool.stats()
+        assert ps["live_bytes"] == 0 and ps["committed_bytes"] == 0  # empty slabs are unmapped
 
 
-def test_small_blocks_keep_small_pages_and_exact_commit():
+def test_slabs_are_huge_pages_when_the_kernel_collapses():
+    if not _kernel_collapses():
+        pytest.skip("this kernel has no MADV_COLLAPSE (Linux < 6.1 or THP disabled): slabs stay on 4 KiB pages")
     rng = np.random.default_rng(2)
-    k, v = _past(rng, 1, 2, 300, 64)
-    with KVCache.from_past(k, v, max_sequence_length=1024) as c:  # 256 KiB blocks
-        assert c.stats()["reserved_bytes"] == 2 * 2 * 1024 * 64 * 4
-        assert_bit_equal(c.export(0)[0], k[0])
-
-
-def test_truncate_into_collapsed_region_then_append():
-    """Truncate to the middle of a huge page, append rows through from_past's layout rules
-    (reorder copies rows back in), and check every row and the zero tail."""
-    rng = np.random.default_rng(3)
-    B, H, T, D, cap = 2, 1, 6000, 128, 8192
-    k, v = _past(rng, B, H, T, D)
-    with KVCache.from_past(k, v, max_sequence_length=cap) as c:
-        c.truncate([1234, 4500])
-        ek, ev = c.export(0)
-        assert_bit_equal(ek[0, :, :1234], k[0][0, :, :1234])
-        assert not ek[0, :, 1234:].any()
-        assert_bit_equal(ek[1, :, :4500], k[0][1, :, :4500])
-        assert not ek[1, :, 4500:].any()
-        page = mmap.PAGESIZE
-        rup = lambda n: (n * D * 4 + page - 1) // page * page  # noqa: E731
-        assert c.stats()["committed_bytes"] == H * 2 * (rup(1234) + rup(4500))
-        c.reorder([1, 1])  # rewrites sequence 0 with sequence 1's 4500 rows (crosses 2 MiB again)
-        ek, ev = c.export(0)
-        assert_bit_equal(ek[0, :, :4500], k[0][1, :, :4500])
-        assert_bit_equal(ev[0, :, :4500], v[0][1, :, :4500])
-        assert c.stats()["committed_bytes"] == H * 2 * 2 * rup(4500)
-        f = c.fork()
-        try:
-            assert_bit_equal(f.export(0)[1], ev)
-        finally:
-            f.close()
-
-
-def _mappings():
-    """(start, end, VmFlags) of every mapping of this process, from /proc/self/smaps."""
-    out, cur = [], None
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split()[0]
-        if "-" in head and not head.endswith(":"):
-            a, b = head.split("-")
-            cur = [int(a, 16), int(b, 16), ""]
-            out.append(cur)
-        elif head == "VmFlags:" and cur is not None:
-            cur[2] = line
-    return out
-
-
-def test_arena_opts_out_of_fault_time_huge_pages():
-    """With THP "always" the kernel would back a block's first row with a 2 MiB page; the
-    arena marks its reservation MADV_NOHUGEPAGE ("nh") so committed_bytes stays what the rows
-    touch, and only fully written regions are collapsed. Checked on the VMA flags, which holds
-    whatever the machine's THP setting is."""
-    rng = np.random.default_rng(4)
-    k, v = _past(rng, 1, 2, 3, 128)
-
-    def nh_bytes() -> int:
-        return sum(end - start for start, end, flags in _mappings() if " nh" in flags)
-
-    before = nh_bytes()
+    k, v = _past(rng, 1, 8, 4096, 128)  # 32 MiB of K+V
+    before = _rollup("AnonHugePages")
     with KVCache.from_past(k, v, max_sequence_length=8192) as c:
-        reserved = c.stats()["reserved_bytes"]
-        assert nh_bytes() - before >= reserved, (nh_bytes(), before, reserved)
+        committed = c.stats()["committed_bytes"]
+        gained = _rollup("AnonHugePages") - before
+        assert gained >= 0.9 * committed, (gained, committed)
 
 
 def test_resident_memory_matches_committed_bytes():
-    """Anonymous memory the process gains equals committed_bytes (within 512 KiB of unrelated
-    allocations), also after a truncate back into a collapsed region and for a fork."""
+    """Anonymous memory the process gains equals the pages' slabs (within 512 KiB of unrelated
+    allocations), also after a truncate and for a fork (which shares every page)."""
     rng = np.random.default_rng(5)
-    B, H, T, D, cap = 1, 4, 4096 + 64, 128, 8192
+    B, H, T, D = 1, 4, 4096 + 64, 128
     k, v = _past(rng, B, H, T, D)
-
-    def anon() -> int:
-        for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
-            if line.startswith("Anonymous:"):
-                return int(line.split()[1]) * 1024
-        return 0
-
-    base = anon()
-    with KVCache.from_past(k, v, max_sequence_length=cap) as c:
-        assert abs((anon() - base) - c.stats()["committed_bytes"]) <= 512 << 10
+    base = _rollup("Anonymous")
+    base_slabs = _core.process_committed_bytes()
+    with KVCache.from_past(k, v, max_sequence_length=8192) as c:
+        slabs = _core.process_committed_bytes() - base_slabs
+        assert slabs >= c.stats()["committed_bytes"]
+        assert abs((_rollup("Anonymous") - base) - slabs) <= 512 << 10
         c.truncate([7])
-        assert abs((anon() - base) - c.stats()["committed_bytes"]) <= 512 << 10
+        slabs = _core.process_committed_bytes() - base_slabs
+        assert slabs < MIB2 * 2
+        assert abs((_rollup("Anonymous") - base) - slabs) <= 512 << 10
         f = c.fork()
         try:
-            both = c.stats()["committed_bytes"] + f.stats()["committed_bytes"]
-            assert abs((anon() - base) - both) <= 512 << 10
+            assert _core.process_committed_bytes() - base_slabs == slabs  # a fork maps nothing
+            assert f.stats()["committed_bytes"] == c.stats()["committed_bytes"]
         finally:
             f.close()
+    assert _core.process_committed_bytes() == base_slabs
+
+
+def test_truncate_then_append_keeps_rows_exact():
+    """Truncate into a page, then import again: rows before the cut are unchanged, pages past it
+    are released."""
+    rng = np.random.default_rng(6)
+    k, v = _past(rng, 1, 2, 700, 64)
+    with KVCache.from_past(k, v, max_sequence_length=4096, page_tokens=256) as c:
+        c.truncate([300])
+        assert c.stats()["num_pages"] == 2 * 2
+        ek, ev = c.export(0)
+        assert_bit_equal(ek, k[0][:, :, :300], "K after truncate")
+        assert_bit_equal(ev, v[0][:, :, :300], "V after truncate")

@@ -1,0 +1,41 @@
+#include "kvcache/geometry.h"
+
+#include <stdexcept>
+#include <string>
+
+namespace olep {
+namespace {
+
+std::string str(int64_t v) { return std::to_string(v); }
+
+void in_range(int64_t v, int64_t lo, int64_t hi, const char* name) {
+  if (v < lo || v > hi)
+    throw std::invalid_argument(std::string(name) + " must be in [" + str(lo) + ", " + str(hi) + "]; got " + str(v));
+}
+
+}  // namespace
+
+void CacheGeometry::validate() const {
+  in_range(num_layers, 1, 4096, "num_layers");
+  in_range(batch_size, 1, 65536, "batch_size");
+  in_range(kv_num_heads, 1, 4096, "kv_num_heads");
+  in_range(head_dim, 1, 4096, "head_dim");
+  in_range(v_head_dim, 1, 4096, "v_head_dim");
+  in_range(max_sequence_length, 1, int64_t{1} << 24, "max_sequence_length");
+  if (memory_limit_bytes < 0)
+    throw std::invalid_argument("memory_limit_bytes must be >= 0 (0 = no limit); got " + str(memory_limit_bytes));
+  in_range(page_tokens, kPageTokenMultiple, int64_t{1} << 16, "page_tokens");
+  if (page_tokens % kPageTokenMultiple != 0)
+    throw std::invalid_argument("page_tokens must be a multiple of " + str(kPageTokenMultiple) + "; got " +
+                                str(page_tokens));
+  if (!sliding_window.empty() && static_cast<int64_t>(sliding_window.size()) != num_layers)
+    throw std::invalid_argument("sliding_window must have num_layers=" + str(num_layers) + " entries; got " +
+                                str(static_cast<int64_t>(sliding_window.size())));
+  for (size_t l = 0; l < sliding_window.size(); ++l)
+    if (sliding_window[l] < 0 || sliding_window[l] > max_sequence_length)
+      throw std::invalid_argument("sliding_window[" + str(static_cast<int64_t>(l)) + "] must be 0 (none) or in [1, " +
+                                  "max_sequence_length=" + str(max_sequence_length) + "]; got " + str(sliding_window[l]));
+  in_range(rollback_tokens, 0, max_sequence_length, "rollback_tokens");
+}
+
+}  // namespace olep

@@ -1,0 +1,61 @@
+// CacheGeometry: the shape, limits and policies of one KVCache, and the byte
+// sizes derived from it. No ORT, no ONNX.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "common/dtype.h"
+
+namespace olep {
+
+/// Default page_tokens (positions per page). A multiple of the kernels' 32-key tile; chosen by
+/// measurement (BENCHMARKS.md, "paged vs one block").
+constexpr int64_t kDefaultPageTokens = 128;
+/// page_tokens must be a multiple of this (the kernels' key tile, so tiles end on page ends).
+constexpr int64_t kPageTokenMultiple = 32;
+
+/// Shape, limits and policies of a cache. Counts are >= 1 unless noted.
+struct CacheGeometry {
+  int64_t num_layers = 0;
+  int64_t batch_size = 0;
+  int64_t kv_num_heads = 0;
+  int64_t head_dim = 0;
+  int64_t v_head_dim = 0;
+  int64_t max_sequence_length = 0;  // tokens per sequence (a limit; nothing is reserved for it)
+  DType dtype = DType::kFloat32;
+  int64_t memory_limit_bytes = 0;   // quota on the cache's page bytes; 0 = none
+  int64_t page_tokens = kDefaultPageTokens;
+  /// Per layer: 0 = keep every position; W > 0 = sliding-window eviction of positions that lie
+  /// before seq_len - W - rollback_tokens (whole pages). Empty = no layer evicts.
+  std::vector<int64_t> sliding_window;
+  int64_t rollback_tokens = 0;      // >= 0: positions kept beyond the window for truncate
+
+  /// Throws std::invalid_argument naming the first bad field and its accepted range.
+  void validate() const;
+  int64_t window(int64_t layer) const {
+    return sliding_window.empty() ? 0 : sliding_window[static_cast<size_t>(layer)];
+  }
+  bool evicts() const {
+    for (int64_t w : sliding_window)
+      if (w > 0) return true;
+    return false;
+  }
+  size_t elem_bytes() const { return dtype_size(dtype); }
+  /// Bytes of one page: K rows [page_tokens, head_dim] then V rows [page_tokens, v_head_dim].
+  int64_t page_bytes() const { return page_tokens * (head_dim + v_head_dim) * static_cast<int64_t>(elem_bytes()); }
+  /// Offset of the V rows within a page.
+  int64_t value_offset() const { return page_tokens * head_dim * static_cast<int64_t>(elem_bytes()); }
+  /// K+V bytes of one position over all kv heads of one layer.
+  int64_t row_bytes() const { return kv_num_heads * (head_dim + v_head_dim) * static_cast<int64_t>(elem_bytes()); }
+  /// Same shape, limits and policies apart from batch_size and memory_limit_bytes (checkpoint restore).
+  bool same_layout(const CacheGeometry& o) const {
+    return num_layers == o.num_layers && kv_num_heads == o.kv_num_heads && head_dim == o.head_dim &&
+           v_head_dim == o.v_head_dim && dtype == o.dtype && page_tokens == o.page_tokens &&
+           max_sequence_length == o.max_sequence_length && sliding_window == o.sliding_window &&
+           rollback_tokens == o.rollback_tokens;
+  }
+};
+
+}  // namespace olep

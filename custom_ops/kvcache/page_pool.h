@@ -1,0 +1,124 @@
+// PagePool: the page supply and memory budget behind KVCache storage.
+//
+// A page holds `page_tokens` consecutive positions of one (layer, sequence,
+// kv head) of one cache: K rows [page_tokens, head_dim] then V rows
+// [page_tokens, v_head_dim], in the cache's element type. Pages of one size
+// (a size class) are carved from slabs: 2 MiB-aligned mappings whose length is
+// a multiple of 2 MiB, faulted in at creation and backed by transparent huge
+// pages where the kernel allows (MADV_HUGEPAGE before the first touch, then
+// MADV_COLLAPSE; best effort), so streaming K/V from pages runs at huge-page
+// bandwidth. A slab whose pages are all free is unmapped at once.
+//
+// Every page has a reference count: the number of holders (page tables,
+// checkpoints, a step's reservation). A page with refs > 1 is shared and is
+// never written in place (KVCache copies it first). A page with refs 0 is on
+// its size class's free list, never referenced by anyone.
+//
+// Accounting (bytes): committed_bytes (slab bytes mapped, what the process
+// holds) = live_bytes (pages with refs > 0) + free_bytes (free pages of mapped
+// slabs) + overhead_bytes (slab tails too small for a page): every committed
+// byte is in exactly one of the three. The budget `memory_limit_bytes` bounds
+// live_bytes: allocate() refuses, before any change, a request that would
+// take live_bytes past it (MemoryLimitError).
+//
+// Thread safety: every method locks the pool's mutex. Lock order: a cache's
+// lock, then its pool's (the pool never calls into a cache). A Page's `data`,
+// `bytes` and `id` never change while the page is held; `refs` is read and
+// written under the pool mutex only.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <utility>
+#include <vector>
+
+namespace olep {
+
+/// One page of a slab. Held pages keep their address until released.
+struct Page {
+  char* data = nullptr;  // `bytes` bytes, 64-byte aligned
+  int64_t bytes = 0;     // size class
+  uint32_t id = 0;       // unique among mapped pages (slab slot << 16 | index); for tests and debugging
+  uint32_t refs = 0;     // holders; guarded by the pool mutex
+  uint32_t slab = 0;     // slot of its slab
+};
+
+/// Pool figures (bytes unless num_). committed = live + free + overhead.
+struct PoolStats {
+  int64_t memory_limit_bytes = 0;  // 0 = no limit
+  int64_t committed_bytes = 0;     // slab bytes mapped
+  int64_t live_bytes = 0;          // bytes of pages with refs > 0
+  int64_t shared_bytes = 0;        // bytes of pages with refs > 1 (part of live_bytes)
+  int64_t free_bytes = 0;          // bytes of free pages in mapped slabs
+  int64_t overhead_bytes = 0;      // slab bytes that hold no page
+  int64_t num_pages = 0;           // pages with refs > 0
+  int64_t num_free_pages = 0;
+  int64_t num_slabs = 0;
+  int64_t num_caches = 0;          // caches using the pool
+  int64_t num_checkpoints = 0;     // checkpoints holding its pages
+};
+
+class PagePool {
+ public:
+  /// memory_limit_bytes: budget of live page bytes, 0 = none (std::invalid_argument if < 0).
+  explicit PagePool(int64_t memory_limit_bytes = 0);
+  /// Unmaps every slab. Callers (caches and checkpoints hold shared_ptrs) release their pages first.
+  ~PagePool();
+  PagePool(const PagePool&) = delete;
+  PagePool& operator=(const PagePool&) = delete;
+
+  int64_t memory_limit_bytes() const { return limit_; }
+
+  /// Appends `n` pages of `page_bytes` bytes (a multiple of 64, > 0) to *out, each with refs 1.
+  /// All or nothing: MemoryLimitError (the budget, or the system refusing memory) leaves the
+  /// pool and *out unchanged. Cost: O(n log F) plus mapping new slabs when the free list is short.
+  void allocate(int64_t page_bytes, int64_t n, std::vector<Page*>* out);
+  /// refs += 1 for each entry (repeats count repeatedly). Pages must be held (refs > 0).
+  void retain(const Page* const* pages, size_t n);
+  void retain(const std::vector<Page*>& pages) { retain(pages.data(), pages.size()); }
+  /// refs -= 1 for each entry; a page reaching 0 goes to the free list, a slab whose pages are
+  /// all free is unmapped. Pages must be held. Never throws.
+  void release(const Page* const* pages, size_t n) noexcept;
+  void release(const std::vector<Page*>& pages) noexcept { release(pages.data(), pages.size()); }
+  /// Reference count of each page, read under one lock.
+  void refs(const Page* const* pages, size_t n, uint32_t* out) const;
+  uint32_t refs(const Page* p) const;
+
+  PoolStats stats() const;
+  /// Every mapped page as (id, refs), by id; free pages have refs 0 (tests, debugging).
+  std::vector<std::pair<uint32_t, uint32_t>> page_refs() const;
+
+  /// Users, for stats and for refusing to close a pool in use.
+  void add_cache(int delta);
+  void add_checkpoint(int delta);
+
+  /// Bytes committed by every pool of the process (slab bytes mapped).
+  static int64_t process_committed_bytes();
+
+ private:
+  struct Slab;
+  struct SizeClass {
+    int64_t page_bytes = 0;
+    int64_t pages_per_slab = 0;
+    int64_t slab_bytes = 0;
+    std::set<uint32_t> free;  // ids of free pages, lowest first (allocation takes the lowest)
+  };
+  SizeClass& size_class_locked(int64_t page_bytes);
+  Page* page_locked(uint32_t id) const;
+  uint32_t map_slab_locked(SizeClass& c);  // returns the slot; throws MemoryLimitError
+  void unmap_slab_locked(uint32_t slot) noexcept;
+
+  const int64_t limit_;
+  mutable std::mutex mu_;
+  std::map<int64_t, SizeClass> classes_;
+  std::vector<std::unique_ptr<Slab>> slabs_;  // by slot; null = free slot
+  std::vector<uint32_t> free_slots_;
+  int64_t committed_ = 0, live_ = 0, shared_ = 0, free_bytes_ = 0, num_live_ = 0, num_free_ = 0, num_slabs_ = 0;
+  int64_t num_caches_ = 0, num_checkpoints_ = 0;
+};
+
+}  // namespace olep

@@ -1,0 +1,255 @@
+// KVCache::save / KVCache::load: a versioned file with the geometry, the
+// lengths and the valid rows of every (layer, sequence, kv head).
+//
+// Layout (little-endian, as this library only runs on x86-64):
+//   bytes 0..7    magic "OLKVCACH"
+//   u32           format version (1)
+//   u32           header size in bytes (from the start of the file)
+//   i64 x 9       num_layers, batch_size, kv_num_heads, head_dim, v_head_dim,
+//                 max_sequence_length, dtype (0 f32, 1 f16, 2 bf16), page_tokens,
+//                 rollback_tokens
+//   i64 x L       sliding_window per layer (0 = none)
+//   i64 x B       seq_lens
+//   i64 x L*B     first position held per (layer, sequence) (> 0 after eviction)
+//   payload       for layer, sequence, head: K rows [first, len) then V rows [first, len)
+//   u64           checksum of every byte before it (64-bit FNV-1a over 8-byte words)
+// save() writes to "<path>.tmp" and renames it over `path`, so a reader never sees a partial
+// file. load() checks magic, version, every geometry field, the exact file size and the
+// checksum; on any mismatch it throws std::invalid_argument naming what is wrong and creates
+// nothing (the pool is left as it was; the file is only read).
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "kvcache/errors.h"
+#include "kvcache/kv_cache.h"
+
+namespace olep {
+namespace {
+
+constexpr char kMagic[8] = {'O', 'L', 'K', 'V', 'C', 'A', 'C', 'H'};
+constexpr uint32_t kVersion = 1;
+constexpr int kFixedFields = 9;
+
+std::string str(int64_t v) { return std::to_string(v); }
+
+struct Checksum {
+  uint64_t h = 1469598103934665603ULL;
+  void add(const void* data, size_t n) {
+    const unsigned char* p = static_cast<const unsigned char*>(data);
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+      uint64_t w;
+      std::memcpy(&w, p + i, 8);
+      h = (h ^ w) * 1099511628211ULL;
+    }
+    for (; i < n; ++i) h = (h ^ p[i]) * 1099511628211ULL;
+  }
+};
+
+struct File {
+  std::FILE* f = nullptr;
+  explicit File(std::FILE* fp) : f(fp) {}
+  ~File() {
+    if (f) std::fclose(f);
+  }
+};
+
+class Writer {
+ public:
+  Writer(std::FILE* f, const std::string& path) : f_(f), path_(path) {}
+  void put(const void* data, size_t n) {
+    if (n && std::fwrite(data, 1, n, f_) != n) throw std::runtime_error("could not write " + path_);
+    sum_.add(data, n);
+  }
+  void put_i64(int64_t v) { put(&v, sizeof(v)); }
+  uint64_t checksum() const { return sum_.h; }
+
+ private:
+  std::FILE* f_;
+  std::string path_;
+  Checksum sum_;
+};
+
+class Reader {
+ public:
+  Reader(std::FILE* f, const std::string& path) : f_(f), path_(path) {}
+  void get(void* data, size_t n, const char* what) {
+    if (n && std::fread(data, 1, n, f_) != n)
+      throw std::invalid_argument(path_ + ": the file is truncated (while reading " + what + ")");
+    sum_.add(data, n);
+  }
+  int64_t get_i64(const char* what) {
+    int64_t v;
+    get(&v, sizeof(v), what);
+    return v;
+  }
+  uint64_t checksum() const { return sum_.h; }
+
+ private:
+  std::FILE* f_;
+  std::string path_;
+  Checksum sum_;
+};
+
+}  // namespace
+
+void KVCache::save(const std::string& path) const {
+  std::lock_guard<std::mutex> lk(mu_);
+  const int64_t L = g_.num_layers, B = g_.batch_size, H = g_.kv_num_heads, P = g_.page_tokens;
+  const std::string tmp = path + ".tmp";
+  File file(std::fopen(tmp.c_str(), "wb"));
+  if (!file.f) throw std::runtime_error("could not open " + tmp + " for writing");
+  try {
+    Writer w(file.f, tmp);
+    w.put(kMagic, sizeof(kMagic));
+    const uint32_t version = kVersion;
+    const uint32_t header = static_cast<uint32_t>(16 + 8 * (kFixedFields + L + B + L * B));
+    w.put(&version, sizeof(version));
+    w.put(&header, sizeof(header));
+    for (int64_t v : {g_.num_layers, g_.batch_size, g_.kv_num_heads, g_.head_dim, g_.v_head_dim,
+                      g_.max_sequence_length, static_cast<int64_t>(g_.dtype), g_.page_tokens, g_.rollback_tokens})
+      w.put_i64(v);
+    for (int64_t l = 0; l < L; ++l) w.put_i64(g_.window(l));
+    for (int64_t b = 0; b < B; ++b) w.put_i64(content_.lens[static_cast<size_t>(b)]);
+    for (int64_t l = 0; l < L; ++l)
+      for (int64_t b = 0; b < B; ++b) w.put_i64(content_.table(l, b, B).first_block * P);
+    const size_t es = g_.elem_bytes();
+    const size_t krow = static_cast<size_t>(g_.head_dim) * es, vrow = static_cast<size_t>(g_.v_head_dim) * es;
+    std::vector<KVBlock> blocks;
+    for (int64_t l = 0; l < L; ++l)
+      for (int64_t b = 0; b < B; ++b) {
+        const PageTable& t = content_.table(l, b, B);
+        for (int64_t h = 0; h < H; ++h) {
+          blocks.clear();
+          append_blocks(g_, t.first_block, 0, content_.lens[static_cast<size_t>(b)],
+                        [&](int64_t blk) { return t.at(blk, h, H); }, &blocks);
+          for (const KVBlock& kb : blocks) w.put(kb.key, static_cast<size_t>(kb.num_rows) * krow);
+          for (const KVBlock& kb : blocks) w.put(kb.value, static_cast<size_t>(kb.num_rows) * vrow);
+        }
+      }
+    const uint64_t sum = w.checksum();
+    if (std::fwrite(&sum, 1, sizeof(sum), file.f) != sizeof(sum) || std::fflush(file.f) != 0)
+      throw std::runtime_error("could not write " + tmp);
+  } catch (...) {
+    std::fclose(file.f);
+    file.f = nullptr;
+    std::remove(tmp.c_str());
+    throw;
+  }
+  std::fclose(file.f);
+  file.f = nullptr;
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    std::remove(tmp.c_str());
+    throw std::runtime_error("could not move " + tmp + " to " + path);
+  }
+}
+
+std::unique_ptr<KVCache> KVCache::load(const std::string& path, std::shared_ptr<PagePool> pool) {
+  File file(std::fopen(path.c_str(), "rb"));
+  if (!file.f) throw std::invalid_argument(path + ": cannot open the file for reading");
+  std::fseek(file.f, 0, SEEK_END);
+  const long file_size = std::ftell(file.f);
+  std::fseek(file.f, 0, SEEK_SET);
+  Reader r(file.f, path);
+  char magic[8];
+  r.get(magic, sizeof(magic), "the magic");
+  if (std::memcmp(magic, kMagic, sizeof(magic)) != 0)
+    throw std::invalid_argument(path + ": not a KVCache file (wrong magic; expected \"OLKVCACH\")");
+  uint32_t version = 0, header = 0;
+  r.get(&version, sizeof(version), "the version");
+  if (version != kVersion)
+    throw std::invalid_argument(path + ": format version " + str(version) + "; this library reads version " +
+                                str(kVersion));
+  r.get(&header, sizeof(header), "the header size");
+  CacheGeometry g;
+  g.num_layers = r.get_i64("num_layers");
+  g.batch_size = r.get_i64("batch_size");
+  g.kv_num_heads = r.get_i64("kv_num_heads");
+  g.head_dim = r.get_i64("head_dim");
+  g.v_head_dim = r.get_i64("v_head_dim");
+  g.max_sequence_length = r.get_i64("max_sequence_length");
+  const int64_t dtype = r.get_i64("dtype");
+  g.page_tokens = r.get_i64("page_tokens");
+  g.rollback_tokens = r.get_i64("rollback_tokens");
+  if (dtype < 0 || dtype > 2) throw std::invalid_argument(path + ": bad dtype code " + str(dtype));
+  g.dtype = static_cast<DType>(dtype);
+  try {
+    if (g.num_layers < 1 || g.num_layers > 4096 || g.batch_size < 1 || g.batch_size > 65536)
+      throw std::invalid_argument("num_layers or batch_size out of range");
+    g.sliding_window.resize(static_cast<size_t>(g.num_layers));
+    for (auto& w : g.sliding_window) w = r.get_i64("sliding_window");
+    bool any = false;
+    for (int64_t w : g.sliding_window) any = any || w > 0;
+    if (!any) g.sliding_window.clear();
+    g.validate();
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument(path + ": bad geometry in the header: " + e.what());
+  }
+  const int64_t L = g.num_layers, B = g.batch_size, H = g.kv_num_heads, P = g.page_tokens;
+  if (header != static_cast<uint32_t>(16 + 8 * (kFixedFields + L + B + L * B)))
+    throw std::invalid_argument(path + ": header size " + str(header) + " does not match its geometry");
+  std::vector<int64_t> lens(static_cast<size_t>(B)), first(static_cast<size_t>(L * B));
+  for (auto& v : lens) v = r.get_i64("seq_lens");
+  for (auto& v : first) v = r.get_i64("first positions");
+  const size_t es = dtype_size(g.dtype);
+  const size_t krow = static_cast<size_t>(g.head_dim) * es, vrow = static_cast<size_t>(g.v_head_dim) * es;
+  int64_t payload = 0, pages = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t len = lens[static_cast<size_t>(b)];
+    if (len < 0 || len > g.max_sequence_length)
+      throw std::invalid_argument(path + ": seq_lens[" + str(b) + "] = " + str(len) + " is out of range");
+    for (int64_t l = 0; l < L; ++l) {
+      const int64_t f = first[static_cast<size_t>(l * B + b)];
+      if (f < 0 || f % P != 0 || f > len || (f > 0 && (g.window(l) <= 0 || f >= len)))
+        throw std::invalid_argument(path + ": first position " + str(f) + " of layer " + str(l) + ", sequence " +
+                                    str(b) + " is inconsistent with its length and window");
+      payload += (len - f) * H * static_cast<int64_t>(krow + vrow);
+      pages += ((len + P - 1) / P - f / P) * H;
+    }
+  }
+  const int64_t expect = static_cast<int64_t>(header) + payload + 8;
+  if (file_size != expect)
+    throw std::invalid_argument(path + ": the file has " + str(file_size) + " bytes; its header describes " +
+                                str(expect) + " (truncated or not a complete KVCache file)");
+  if (g.memory_limit_bytes > 0 && pages * g.page_bytes() > g.memory_limit_bytes)
+    throw MemoryLimitError("loading needs " + str(pages * g.page_bytes()) + " bytes of pages");
+  auto cache = std::make_unique<KVCache>(g, std::move(pool));
+  std::vector<Page*> got;
+  cache->pool_->allocate(g.page_bytes(), pages, &got);  // all or nothing; the cache releases them if we fail
+  CacheContent& c = cache->content_;
+  c.lens = lens;
+  size_t k = 0;
+  for (int64_t l = 0; l < L; ++l)
+    for (int64_t b = 0; b < B; ++b) {
+      PageTable& t = c.table(l, b, B);
+      const int64_t f = first[static_cast<size_t>(l * B + b)], len = lens[static_cast<size_t>(b)];
+      t.first_block = f / P;
+      for (int64_t blk = t.first_block; blk < (len + P - 1) / P; ++blk)
+        for (int64_t h = 0; h < H; ++h) {
+          t.pages.push_back(got[k++]);
+          c.holds.add(t.pages.back());
+        }
+      for (int64_t h = 0; h < H; ++h)
+        for (int pass = 0; pass < 2; ++pass)
+          for (int64_t pos = f; pos < len;) {
+            const int64_t blk = pos / P, n = std::min(P - pos % P, len - pos);
+            Page* pg = t.at(blk, h, H);
+            char* dst = pass == 0 ? pg->data + static_cast<size_t>(pos % P) * krow
+                                  : pg->data + g.value_offset() + static_cast<size_t>(pos % P) * vrow;
+            r.get(dst, static_cast<size_t>(n) * (pass == 0 ? krow : vrow), "rows");
+            pos += n;
+          }
+    }
+  const uint64_t sum = r.checksum();
+  uint64_t stored = 0;
+  if (std::fread(&stored, 1, sizeof(stored), file.f) != sizeof(stored) || stored != sum)
+    throw std::invalid_argument(path + ": checksum mismatch (the file is corrupted)");
+  cache->bytes_appended_ = 0;
+  return cache;
+}
+
+}  // namespace olep
