@@ -82,7 +82,7 @@ else:
     from .errors import KVCacheBusyError, KVCacheError, KVCacheMemoryError
     from .pool import KVCheckpoint, KVPool
 
-    __version__ = "0.1.0"
+    __version__ = "0.2.0"
 
     def convert(input_path, output_path, *, keep_present=(), sliding_window=None, cache_input="kv_cache",
                 check=True):

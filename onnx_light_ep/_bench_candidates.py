@@ -166,15 +166,21 @@ def session_options(threads: int, profile_dir: Optional[str] = None, allow_spinn
     return so
 
 
+FUSED = "fused by " + EP_NAME
+"""Key of node_providers for the EP's nodes: it runs each node it claims as a fused graph that the
+profile names ``OnnxLightExecutionProvider_<hash>_<n>``, without the op type."""
+
+
 def node_providers(profile_path: str) -> Dict[str, List[str]]:
-    """{op_name: sorted providers} of the node events in an ORT profile trace."""
+    """{op_name: sorted providers} of the node events in an ORT profile trace (EP nodes under FUSED)."""
     with open(profile_path) as f:
         events = json.load(f)
     found: Dict[str, set] = {}
     for ev in events:
         args = ev.get("args") or {}
         if ev.get("cat") == "Node" and "op_name" in args and "provider" in args:
-            found.setdefault(args["op_name"], set()).add(args["provider"])
+            name = FUSED if args["op_name"].startswith(EP_NAME + "_") else args["op_name"]
+            found.setdefault(name, set()).add(args["provider"])
     return {k: sorted(v) for k, v in sorted(found.items())}
 
 

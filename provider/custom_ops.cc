@@ -1,9 +1,8 @@
 // Registration of the ai.onnx_light custom ops (CacheAttention, CacheExport, CacheCommit)
-// with ORT, twice each: typed for the CPU EP (so a converted model runs on
-// plain ORT) and typed for OnnxLightExecutionProvider (which claims the nodes
-// with EpGraphSupportInfo_AddSingleNode). Both run the same ORT-free op code
-// in custom_ops/ops. Exceptions never cross the C ABI: every callback catches
-// and returns an OrtStatus.
+// with ORT: schemas, shape inference and CPU-EP kernels, so a converted model loads
+// everywhere and runs on plain ORT. OnnxLightExecutionProvider, when selected, claims
+// the nodes itself (ep_cache_ops.h); both paths run cache_kernels.h. Exceptions never
+// cross the C ABI: every callback catches and returns an OrtStatus.
 #include "provider/custom_ops.h"
 
 #include <cmath>
@@ -15,6 +14,7 @@
 #include <vector>
 
 #include "ops/cache_attention.h"
+#include "provider/cache_kernels.h"
 #include "provider/kernel_io.h"
 #include "provider/ort_api.h"
 
@@ -62,80 +62,6 @@ std::string node_name(const OrtKernelInfo* info) {
   if (!s.empty() && s.back() == '\0') s.pop_back();
   return s;
 }
-
-// ---------------------------------------------------------------------------
-// Kernels
-
-struct CacheAttentionKernel {
-  ops::CacheAttentionAttrs attrs;
-  std::string node;
-
-  OrtStatus* compute(OrtKernelContext* ctx) {
-    Tensor q, k, v, cache, mask, seqlens;
-    try {
-      if (!read_input(ctx, 0, &q) || !read_input(ctx, 1, &k) || !read_input(ctx, 2, &v) || !read_input(ctx, 3, &cache))
-        throw std::invalid_argument("CacheAttention: inputs 'query', 'key', 'value' and 'cache' are required");
-      const bool has_mask = read_input(ctx, 4, &mask);
-      const bool has_seqlens = read_input(ctx, 5, &seqlens);
-      const ops::AttentionDims d = ops::resolve_dims("CacheAttention", attrs.q_num_heads, attrs.kv_num_heads, q, k, v);
-      // Validate everything that can fail before allocating Y and touching the cache.
-      void* y = alloc_output(ctx, 0, ops::output_shape(d));
-      ops::cache_attention(attrs, q, k, v, cache, has_mask ? &mask : nullptr, has_seqlens ? &seqlens : nullptr, y,
-                           ort_parallel_for(ctx));
-      return nullptr;
-    } catch (const std::exception& e) {
-      if (cache.data) ops::note_failed_run(cache);
-      return to_status(e, node);
-    }
-  }
-};
-
-struct CacheExportKernel {
-  int64_t layer = -1;
-  std::string node;
-
-  OrtStatus* compute(OrtKernelContext* ctx) {
-    try {
-      Tensor cache;
-      if (!read_input(ctx, 0, &cache)) throw std::invalid_argument("CacheExport: input 'cache' is required");
-      if (!has_output(ctx, 1))
-        throw std::invalid_argument("CacheExport: outputs 'present_key' and 'present_value' are required");
-      ops::cache_export(layer, cache, [&](const std::vector<int64_t>& ks, const std::vector<int64_t>& vs, DType dt) {
-        const ops::ElemType want = ops::elem_type_of(dt);
-        ops::ElemType got_k, got_v;
-        void* kd = alloc_output(ctx, 0, ks, &got_k);
-        void* vd = alloc_output(ctx, 1, vs, &got_v);
-        if (got_k != want || got_v != want)
-          throw std::invalid_argument(std::string("CacheExport: outputs must have the cache's type ") +
-                                      ops::elem_type_name(want) + "; got present_key " + ops::elem_type_name(got_k) +
-                                      ", present_value " + ops::elem_type_name(got_v) +
-                                      " (set attribute 'dtype' to the cache's TensorProto type)");
-        return std::make_pair(kd, vd);
-      });
-      return nullptr;
-    } catch (const std::exception& e) {
-      return to_status(e, node);
-    }
-  }
-};
-
-struct CacheCommitKernel {
-  std::string node;
-
-  OrtStatus* compute(OrtKernelContext* ctx) {
-    Tensor cache;
-    try {
-      if (!read_input(ctx, 0, &cache)) throw std::invalid_argument("CacheCommit: input 'cache' is required");
-      ops::cache_commit(cache, [&](int64_t batch) {
-        return static_cast<int64_t*>(alloc_output(ctx, 0, {batch}));
-      });
-      return nullptr;
-    } catch (const std::exception& e) {
-      if (cache.data) ops::note_failed_run(cache);
-      return to_status(e, node);
-    }
-  }
-};
 
 // ---------------------------------------------------------------------------
 // Shape inference (raw C API so output element types can follow the inputs).
@@ -402,10 +328,7 @@ struct OpDef : OrtCustomOp {
 
 const OpDef g_cpu_attention(OpKind::kCacheAttention, nullptr);
 const OpDef g_cpu_export(OpKind::kCacheExport, nullptr);
-const OpDef g_ep_attention(OpKind::kCacheAttention, kEpName);
-const OpDef g_ep_export(OpKind::kCacheExport, kEpName);
 const OpDef g_cpu_commit(OpKind::kCacheCommit, nullptr);
-const OpDef g_ep_commit(OpKind::kCacheCommit, kEpName);
 
 }  // namespace
 
@@ -417,7 +340,7 @@ OrtStatus* add_custom_op_domain(OrtSessionOptions* options) {
   static OrtStatus* init_error = nullptr;
   std::call_once(once, [] {
     OrtStatus* st = api().CreateCustomOpDomain(kDomain, &domain);
-    for (const OpDef* op : {&g_cpu_attention, &g_cpu_export, &g_cpu_commit, &g_ep_attention, &g_ep_export, &g_ep_commit})
+    for (const OpDef* op : {&g_cpu_attention, &g_cpu_export, &g_cpu_commit})
       if (st == nullptr) st = api().CustomOpDomain_Add(domain, op);
     if (st) {
       init_error = st;

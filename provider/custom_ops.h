@@ -1,5 +1,5 @@
-// Registration of the ai.onnx_light custom-op domain (CPU-typed and EP-typed
-// kernels of CacheAttention and CacheExport) on a session's options.
+// Registration of the ai.onnx_light custom-op domain (schemas, shape inference and
+// CPU-EP kernels of CacheAttention, CacheExport, CacheCommit) on a session's options.
 #pragma once
 
 #include "provider/ort_api.h"

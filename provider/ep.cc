@@ -2,8 +2,11 @@
 // selection and the EP itself (ORT plugin-EP API, onnxruntime_ep_c_api.h,
 // ORT >= 1.23).
 //
-// The EP claims ai.onnx_light nodes one by one (EpGraphSupportInfo_AddSingleNode);
-// ORT then runs the EP-typed custom-op kernels registered in custom_ops.cc.
+// The EP claims every node it runs as a fused single-node graph
+// (EpGraphSupportInfo_AddNodesToFuse) and compiles it: ai.onnx_light nodes
+// onto the custom-op compute (ep_cache_ops.h, which also checks the graph's
+// layers and commit node at session creation), standard attention nodes in
+// tensor mode (ep_attention.h).
 // It registers no allocator and no data transfer: inputs and outputs stay in
 // ORT's CPU memory, zero-copy. OnRunStart/OnRunEnd bound each run for the
 // cache arena: a step the run leaves incomplete is rolled back at its end.
@@ -15,6 +18,8 @@
 #include "kvcache/run_scope.h"
 #include "provider/custom_ops.h"
 #include "provider/ep_attention.h"
+#include "provider/ep_cache_ops.h"
+#include "provider/node_util.h"
 #include "provider/ort_api.h"
 
 namespace olep {
@@ -32,16 +37,32 @@ void log(const OrtLogger* logger, OrtLoggingLevel level, const std::string& msg)
 struct Ep : OrtEp {
   const OrtLogger* logger;
   bool tensor_mode;  // claim standard Attention nodes of unconverted models
+  CacheGraphInfo cache_info;  // from GetCapability, for Compile
 
   Ep(const OrtLogger* lg, bool tensor) : OrtEp{}, logger(lg), tensor_mode(tensor) {
     ort_version_supported = ORT_API_VERSION;
     GetName = [](const OrtEp*) noexcept { return kEpName; };
     GetCapability = get_capability;
-    Compile = [](OrtEp*, const OrtGraph** graphs, const OrtNode** fused, size_t count, OrtNodeComputeInfo** infos,
+    Compile = [](OrtEp* self, const OrtGraph** graphs, const OrtNode** fused, size_t count, OrtNodeComputeInfo** infos,
                  OrtNode** ep_context_nodes) noexcept -> OrtStatus* {
+      Ep* ep = static_cast<Ep*>(self);
       for (size_t i = 0; i < count; ++i) {
         if (ep_context_nodes) ep_context_nodes[i] = nullptr;
         infos[i] = nullptr;
+      }
+      for (size_t i = 0; i < count; ++i) {
+        try {
+          size_t n = 0;
+          check(api().Graph_GetNumNodes(graphs[i], &n));
+          const OrtNode* node = nullptr;
+          if (n == 1) check(api().Graph_GetNodes(graphs[i], &node, 1));
+          if (node && is_cache_node(node)) {
+            infos[i] = compile_cache_node(node, fused[i], ep->cache_info);
+            continue;
+          }
+        } catch (const std::exception& e) {
+          return make_status(ORT_INVALID_ARGUMENT, e.what());
+        }
         if (OrtStatus* st = compile_standard_node(graphs[i], fused[i], &infos[i])) return st;
       }
       return nullptr;
@@ -83,15 +104,16 @@ struct Ep : OrtEp {
       OrtNodeFusionOptions fusion{};
       fusion.ort_version_supported = ORT_API_VERSION;
       fusion.drop_constant_initializers = false;
+      check_cache_graph(nodes, &ep->cache_info);  // its error fails Compile, i.e. session creation
       for (const OrtNode* node : nodes) {
         const char* domain = nullptr;
         const char* op = nullptr;
         if (OrtStatus* st = api().Node_GetDomain(node, &domain)) return st;
         if (OrtStatus* st = api().Node_GetOperatorType(node, &op)) return st;
         if (domain && op && std::strcmp(domain, kDomain) == 0) {
-          if (std::strcmp(op, "CacheAttention") == 0 || std::strcmp(op, "CacheExport") == 0 ||
-              std::strcmp(op, "CacheCommit") == 0) {
-            if (OrtStatus* st = ep_api().EpGraphSupportInfo_AddSingleNode(info, node)) return st;
+          if (is_cache_node(node)) {
+            const OrtNode* one[1] = {node};
+            if (OrtStatus* st = ep_api().EpGraphSupportInfo_AddNodesToFuse(info, one, 1, &fusion)) return st;
           } else {
             log(ep->logger, ORT_LOGGING_LEVEL_VERBOSE, std::string("OnnxLightExecutionProvider: not claiming ") + op);
           }

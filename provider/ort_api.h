@@ -15,7 +15,7 @@ namespace provider {
 constexpr const char* kEpName = "OnnxLightExecutionProvider";
 constexpr const char* kDomain = "ai.onnx_light";
 constexpr const char* kVendor = "onnx-light";
-constexpr const char* kVersion = "0.1.0";
+constexpr const char* kVersion = "0.2.0";
 
 /// Initializes the API table from ORT's base (GetApi(ORT_API_VERSION)).
 /// Returns an error message if this ORT is older than the headers (API 23 = ORT 1.23).

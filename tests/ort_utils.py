@@ -86,7 +86,12 @@ def run(sess, feeds, output_names=None):
 
 
 def providers_from_profile(profile_path, op_type):
-    """Set of providers that executed nodes whose op_name == op_type in an ORT profile trace."""
+    """Set of providers that executed nodes whose op_name == op_type in an ORT profile trace.
+
+    OnnxLightExecutionProvider runs every node it claims as a fused single-node graph, which the
+    profile names ``OnnxLightExecutionProvider_<hash>_<n>`` (no op type): those events count as
+    ``op_type``, so use graphs in which the EP can claim no other kind of node than ``op_type``
+    (and the cache ops around it) when asking which provider ran it."""
     with open(profile_path) as f:
         events = json.load(f)
     found = set()
@@ -94,7 +99,8 @@ def providers_from_profile(profile_path, op_type):
         if ev.get("cat") != "Node":
             continue
         args = ev.get("args", {})
-        if args.get("op_name") == op_type and "provider" in args:
+        name = args.get("op_name", "")
+        if (name == op_type or name.startswith("OnnxLightExecutionProvider_")) and "provider" in args:
             found.add(args["provider"])
     return found
 

@@ -95,9 +95,10 @@ void cache_attention_impl(const CacheAttentionAttrs& a, const Tensor& query, con
     fail("attribute 'layer' (" + str(a.layer) + ") must be < num_layers of input 'cache' (" + str(g.num_layers) + ")");
 
   if (a.graph_layers > 0 && a.graph_layers != g.num_layers)
-    fail("the model has " + str(a.graph_layers) + " attention layers on this cache input but input 'cache' has "
-         "num_layers=" + str(g.num_layers) + " (create the cache with KVCache.for_model, or num_layers=" +
-         str(a.graph_layers) + ")");
+    fail(std::string("the model has ") + (a.graph_layers < g.num_layers ? "fewer" : "more") +
+         " attention layers than the cache: " + str(a.graph_layers) + " on this cache input, but input 'cache' "
+         "has num_layers=" + str(g.num_layers) + " (create the cache with KVCache.for_model, or num_layers=" +
+         str(a.graph_layers) + "); nothing was appended");
   const int64_t cache_window = g.window(a.layer);
   if (cache_window > 0 && (a.local_window_size <= 0 || a.local_window_size > cache_window))
     fail("layer " + str(a.layer) + " of input 'cache' keeps only the last sliding_window=" + str(cache_window) +

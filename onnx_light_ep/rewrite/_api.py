@@ -194,7 +194,7 @@ def convert(input_path, output_path, *, keep_present: Sequence[str] = (), slidin
         "v_head_dim": p0.v_head_dim, "dtype": FLOAT_TYPES[p0.elem_type], "cache_input": cache_input,
         "source_pattern": ",".join(sorted({p.pattern for p in plans})),
         "padding_side": "right" if any(p.padding == "right" for p in plans) else "left",
-        "inputs": res.io_names, "logits_output": _logits_name(res.model),
+        "inputs": res.io_names, "logits_output": _logits_name(res.model), "commit_output": res.commit_output,
         "layers": [{k: v for k, v in x.items() if k not in ("notes", "attrs")} for x in layers],
         "tensor_pairs": tensor_pairs, "max_position": max_position,
     }

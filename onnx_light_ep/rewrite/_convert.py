@@ -50,6 +50,7 @@ class Attempt:
     kept_outputs: List[str] = field(default_factory=list)
     io_names: Dict[str, Optional[str]] = field(default_factory=dict)
     notes: List[str] = field(default_factory=list)
+    commit_output: Optional[str] = None
 
 
 def find_plans(ed: GraphEditor, sliding_window: Optional[int]) -> Tuple[List[LayerPlan], List[Refusal]]:
@@ -313,10 +314,34 @@ def attempt(original: onnx.ModelProto, base_dir: Optional[str], excluded: Dict[s
                                                 f"past {past!r} is also read by {', '.join(users)}"))
     if res.new_refusals:
         return res
+    res.commit_output = _add_commit(ed, cache_input)
     _finish_opsets(model, any(p.needs_ms_domain for p in plans))
     ed.topo_sort()
     _check_chain(ed, ys, res)
     return res
+
+
+def _add_commit(ed: GraphEditor, cache_input: str) -> str:
+    """The run's commit point: ``CacheCommit(cache, <every graph output>) -> <cache>_seq_lens``.
+
+    It consumes every graph output, so it runs after every node that produces one; only then do
+    the rows the run appended become visible (a run that fails or is cancelled before it leaves
+    the cache as it was). The layers get ``commit_node=1`` (their last layer no longer commits).
+    Its output (int64 ``[batch]``, each sequence's length after the step) is appended to the
+    graph outputs so ORT keeps the node; every other output keeps its name and position.
+    """
+    for node in ed.graph.node:
+        if node.op_type == "CacheAttention" and node.domain == DOMAIN:
+            node.attribute.append(helper.make_attribute("commit_node", 1))
+    name = f"{cache_input}_seq_lens"
+    if name in ed.producers or name in ed.input_names:
+        name = ed.new_name(name)
+    outs = [o.name for o in ed.graph.output]
+    ed.graph.node.append(helper.make_node("CacheCommit", [cache_input] + outs, [name], domain=DOMAIN,
+                                          name=ed.new_name("cache_commit")))
+    ed.graph.output.append(helper.make_tensor_value_info(name, TensorProto.INT64, ["batch"]))
+    ed.refresh()
+    return name
 
 
 def _substitute_chain_shapes(ed: GraphEditor, p: LayerPlan, shapes: "_Shapes") -> None:

@@ -17,6 +17,9 @@ Keys (all strings, prefix ``onnx_light.``):
                            "position_ids", "inputs_embeds"}`` → input name
                            or null
 ``logits_output``          name of the logits output (or null)
+``commit_output``          name of the ``CacheCommit`` output (int64
+                           ``[batch]``: lengths after the step), the last
+                           graph output
 ``layers``                 JSON list, per layer: ``layer``, ``node``,
                            ``pattern``, ``q_num_heads``, ``scale``,
                            ``softcap``, ``local_window_size``, ``is_causal``,

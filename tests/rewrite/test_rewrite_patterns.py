@@ -47,9 +47,15 @@ def test_pattern_matches_plain_ort(name, batch, tmp_path):
 
     out = onnx.load(dst)
     assert [i.name for i in out.graph.input] == ["input_ids", "attention_mask", "kv_cache"]
-    assert [o.name for o in out.graph.output] == ["logits"]
+    assert [o.name for o in out.graph.output] == ["logits", "kv_cache_seq_lens"]
     ops = [n.op_type for n in out.graph.node]
     assert ops.count("CacheAttention") == 2 and "CacheExport" not in ops
+    # The commit point: one CacheCommit after every other output; the layers defer to it.
+    commit = [n for n in out.graph.node if n.op_type == "CacheCommit"]
+    assert len(commit) == 1 and list(commit[0].input) == ["kv_cache", "logits"]
+    assert list(commit[0].output) == ["kv_cache_seq_lens"] and report.metadata["commit_output"] == "kv_cache_seq_lens"
+    assert all(onnx.helper.get_attribute_value(a) == 1 for n in out.graph.node if n.op_type == "CacheAttention"
+               for a in n.attribute if a.name == "commit_node")
     assert not {"GroupQueryAttention", "Attention", "Softmax"} & set(ops)
     layers = [onnx.helper.get_attribute_value(a) for n in out.graph.node if n.op_type == "CacheAttention"
               for a in n.attribute if a.name == "layer"]

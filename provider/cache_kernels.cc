@@ -1,0 +1,95 @@
+#include "provider/cache_kernels.h"
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "provider/kernel_io.h"
+
+namespace olep {
+namespace provider {
+namespace {
+
+using ops::Tensor;
+
+bool input(OrtKernelContext* ctx, int index, Tensor* t) {
+  return index >= 0 && read_input(ctx, static_cast<size_t>(index), t);
+}
+
+}  // namespace
+
+OrtStatus* CacheAttentionKernel::compute(OrtKernelContext* ctx) const {
+  Tensor q, k, v, cache, mask, seqlens;
+  try {
+    if (!input(ctx, in[0], &q) || !input(ctx, in[1], &k) || !input(ctx, in[2], &v) || !input(ctx, in[3], &cache))
+      throw std::invalid_argument("CacheAttention: inputs 'query', 'key', 'value' and 'cache' are required");
+    const bool has_mask = input(ctx, in[4], &mask);
+    const bool has_seqlens = input(ctx, in[5], &seqlens);
+    const ops::AttentionDims d = ops::resolve_dims("CacheAttention", attrs.q_num_heads, attrs.kv_num_heads, q, k, v);
+    // Validate everything that can fail before allocating Y and touching the cache.
+    void* y = alloc_output(ctx, static_cast<size_t>(out), ops::output_shape(d));
+    ops::cache_attention(attrs, q, k, v, cache, has_mask ? &mask : nullptr, has_seqlens ? &seqlens : nullptr, y,
+                         ort_parallel_for(ctx));
+    return nullptr;
+  } catch (const std::exception& e) {
+    if (cache.data) ops::note_failed_run(cache);
+    return to_status(e, node);
+  }
+}
+
+OrtStatus* CacheExportKernel::compute(OrtKernelContext* ctx) const {
+  Tensor cache;
+  try {
+    if (!input(ctx, cache_in, &cache)) throw std::invalid_argument("CacheExport: input 'cache' is required");
+    // An output nobody reads may be absent (a fused node keeps only the outputs in use): the
+    // export then writes that half into scratch.
+    std::vector<char> scratch[2];
+    ops::cache_export(layer, cache, [&](const std::vector<int64_t>& ks, const std::vector<int64_t>& vs, DType dt) {
+      const ops::ElemType want = ops::elem_type_of(dt);
+      ops::ElemType got[2] = {want, want};
+      void* data[2] = {nullptr, nullptr};
+      const std::vector<int64_t>* shapes[2] = {&ks, &vs};
+      for (int i = 0; i < 2; ++i) {
+        if (out[i] >= 0 && has_output(ctx, static_cast<size_t>(out[i]))) {
+          data[i] = alloc_output(ctx, static_cast<size_t>(out[i]), *shapes[i], &got[i]);
+        } else {
+          int64_t n = 1;
+          for (int64_t x : *shapes[i]) n *= x;
+          scratch[i].resize(static_cast<size_t>(n) * dtype_size(dt) + 1);
+          data[i] = scratch[i].data();
+        }
+      }
+      void* kd = data[0];
+      void* vd = data[1];
+      const ops::ElemType got_k = got[0], got_v = got[1];
+      if (got_k != want || got_v != want)
+        throw std::invalid_argument(std::string("CacheExport: outputs must have the cache's type ") +
+                                    ops::elem_type_name(want) + "; got present_key " + ops::elem_type_name(got_k) +
+                                    ", present_value " + ops::elem_type_name(got_v) +
+                                    " (set attribute 'dtype' to the cache's TensorProto type)");
+      return std::make_pair(kd, vd);
+    });
+    return nullptr;
+  } catch (const std::exception& e) {
+    if (cache.data) ops::note_failed_run(cache);
+    return to_status(e, node);
+  }
+}
+
+OrtStatus* CacheCommitKernel::compute(OrtKernelContext* ctx) const {
+  Tensor cache;
+  try {
+    if (!input(ctx, cache_in, &cache)) throw std::invalid_argument("CacheCommit: input 'cache' is required");
+    ops::cache_commit(cache, [&](int64_t batch) {
+      return static_cast<int64_t*>(alloc_output(ctx, static_cast<size_t>(out), {batch}));
+    });
+    return nullptr;
+  } catch (const std::exception& e) {
+    if (cache.data) ops::note_failed_run(cache);
+    return to_status(e, node);
+  }
+}
+
+}  // namespace provider
+}  // namespace olep

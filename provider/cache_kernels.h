@@ -1,0 +1,44 @@
+// The compute of the ai.onnx_light ops on an OrtKernelContext: shared by the
+// custom-op kernels (custom_ops.cc, inputs and outputs in schema order) and
+// the EP's compiled nodes (ep_cache_ops.cc, whose fused node deduplicates and
+// reorders them: the index maps say where each schema input and output is).
+// Exceptions never leave compute(): they become an OrtStatus whose message
+// starts with the arena's error kind when there is one (kernel_io.h).
+#pragma once
+
+#include <string>
+
+#include "ops/cache_attention.h"
+#include "provider/ort_api.h"
+
+namespace olep {
+namespace provider {
+
+/// CacheAttention(query, key, value, cache, [attn_mask], [seqlens_k]) -> Y.
+struct CacheAttentionKernel {
+  ops::CacheAttentionAttrs attrs;
+  std::string node;
+  int in[6] = {0, 1, 2, 3, 4, 5};  // context input index per schema input, -1 = absent
+  int out = 0;
+  OrtStatus* compute(OrtKernelContext* ctx) const;
+};
+
+/// CacheExport(cache, [after]) -> present_key, present_value.
+struct CacheExportKernel {
+  int64_t layer = -1;
+  std::string node;
+  int cache_in = 0;
+  int out[2] = {0, 1};
+  OrtStatus* compute(OrtKernelContext* ctx) const;
+};
+
+/// CacheCommit(cache, after...) -> seq_lens.
+struct CacheCommitKernel {
+  std::string node;
+  int cache_in = 0;
+  int out = 0;
+  OrtStatus* compute(OrtKernelContext* ctx) const;
+};
+
+}  // namespace provider
+}  // namespace olep

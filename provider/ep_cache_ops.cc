@@ -1,0 +1,147 @@
+#include "provider/ep_cache_ops.h"
+
+#include <memory>
+#include <set>
+#include <stdexcept>
+
+#include "ops/cache_attention.h"
+#include "provider/cache_kernels.h"
+
+namespace olep {
+namespace provider {
+namespace {
+
+template <class Kernel>
+struct CacheComputeInfo : NodeComputeInfo {
+  Kernel kernel;
+  OrtStatus* run(OrtKernelContext* ctx) noexcept { return kernel.compute(ctx); }
+};
+
+std::string quoted(const std::string& s) { return "'" + s + "'"; }
+
+std::string input_name(const OrtNode* n, size_t i) {
+  const std::vector<std::string> names = value_names(n, true);
+  return i < names.size() ? names[i] : "";
+}
+
+int64_t int_attr(const OrtNode* n, const char* name, int64_t dflt) {
+  int64_t v = dflt;
+  node_attr_int(n, name, &v);
+  return v;
+}
+
+}  // namespace
+
+bool is_cache_node(const OrtNode* node) {
+  if (node_domain(node) != kDomain) return false;
+  const std::string op = node_op_type(node);
+  return op == "CacheAttention" || op == "CacheExport" || op == "CacheCommit";
+}
+
+void check_cache_graph(const std::vector<const OrtNode*>& nodes, CacheGraphInfo* info) {
+  struct PerCache {
+    std::map<int64_t, std::string> layers;  // layer -> node name
+    std::set<int64_t> commit_node;          // values of commit_node seen
+    int commits = 0;
+    std::string error;
+  };
+  std::map<std::string, PerCache> caches;
+  for (const OrtNode* n : nodes) {
+    if (node_domain(n) != kDomain) continue;
+    const std::string op = node_op_type(n), name = node_name(n);
+    if (op == "CacheAttention") {
+      PerCache& c = caches[input_name(n, 3)];
+      const int64_t layer = int_attr(n, "layer", -1);
+      c.commit_node.insert(int_attr(n, "commit_node", 0));
+      auto it = c.layers.find(layer);
+      if (it != c.layers.end() && c.error.empty())
+        c.error = "CacheAttention nodes " + quoted(it->second) + " and " + quoted(name) + " both have layer=" +
+                  std::to_string(layer) + " (every layer index must appear once per cache input)";
+      c.layers.emplace(layer, name);
+    } else if (op == "CacheCommit") {
+      ++caches[input_name(n, 0)].commits;
+    }
+  }
+  for (auto& kv : caches) {
+    PerCache& c = kv.second;
+    const std::string where = " on cache input " + quoted(kv.first);
+    if (c.error.empty() && !c.layers.empty()) {
+      int64_t expect = 0;
+      for (const auto& l : c.layers) {
+        if (l.first != expect) {
+          c.error = "no CacheAttention node has layer=" + std::to_string(expect) + where +
+                    " (layers must be 0..N-1; the nodes have layers " + std::to_string(c.layers.begin()->first) +
+                    ".." + std::to_string(c.layers.rbegin()->first) + ")";
+          break;
+        }
+        ++expect;
+      }
+    }
+    if (c.error.empty() && c.commit_node.size() > 1)
+      c.error = "the CacheAttention nodes" + where + " disagree on commit_node (some 0, some 1)";
+    if (c.error.empty() && c.commits > 1)
+      c.error = std::to_string(c.commits) + " CacheCommit nodes" + where + " (at most one per cache input)";
+    if (c.error.empty() && c.commit_node.count(1) && c.commits == 0)
+      c.error = "the CacheAttention nodes" + where + " have commit_node=1 but no CacheCommit node commits their step";
+    if (c.error.empty() && c.commits == 1 && !c.commit_node.count(1))
+      c.error = "CacheCommit" + where + " but its CacheAttention nodes commit at their last layer (commit_node=0)";
+    if (!c.error.empty() && info->error.empty()) info->error = "OnnxLightExecutionProvider: " + c.error;
+    const int64_t n = static_cast<int64_t>(c.layers.size());
+    auto it = info->layers.find(kv.first);
+    if (it == info->layers.end()) info->layers.emplace(kv.first, n);
+    else if (it->second != n) it->second = 0;  // two graphs disagree: unknown
+  }
+}
+
+NodeComputeInfo* compile_cache_node(const OrtNode* node, const OrtNode* fused_node, const CacheGraphInfo& info) {
+  if (!info.error.empty()) throw std::invalid_argument(info.error);
+  const std::string op = node_op_type(node), name = node_name(node);
+  const std::vector<std::string> ins = value_names(node, true), outs = value_names(node, false);
+  const std::vector<std::string> fins = value_names(fused_node, true), fouts = value_names(fused_node, false);
+  if (op == "CacheAttention") {
+    auto ci = std::make_unique<CacheComputeInfo<CacheAttentionKernel>>();
+    ops::CacheAttentionAttrs& a = ci->kernel.attrs;
+    if (!node_attr_int(node, "layer", &a.layer)) throw std::invalid_argument("CacheAttention: attribute 'layer' is required");
+    node_attr_int(node, "q_num_heads", &a.q_num_heads);
+    node_attr_int(node, "kv_num_heads", &a.kv_num_heads);
+    node_attr_float(node, "scale", &a.scale);
+    node_attr_int(node, "is_causal", &a.is_causal);
+    node_attr_float(node, "softcap", &a.softcap);
+    node_attr_int(node, "local_window_size", &a.local_window_size);
+    node_attr_int(node, "commit_node", &a.commit_node);
+    ops::validate(a);
+    auto it = info.layers.find(ins.size() > 3 ? ins[3] : "");
+    a.graph_layers = it == info.layers.end() ? 0 : it->second;
+    map_by_name(ins, fins, ci->kernel.in);
+    int out[1];
+    map_by_name(outs, fouts, out);
+    ci->kernel.out = out[0];
+    ci->kernel.node = name;
+    ci->node = name;
+    return NodeComputeInfo::init(ci.release());
+  }
+  if (op == "CacheExport") {
+    auto ci = std::make_unique<CacheComputeInfo<CacheExportKernel>>();
+    if (!node_attr_int(node, "layer", &ci->kernel.layer) || ci->kernel.layer < 0)
+      throw std::invalid_argument("CacheExport: attribute 'layer' is required and must be >= 0");
+    int in[1];
+    map_by_name(ins, fins, in);
+    ci->kernel.cache_in = in[0];
+    map_by_name(outs, fouts, ci->kernel.out);
+    ci->kernel.node = name;
+    ci->node = name;
+    return NodeComputeInfo::init(ci.release());
+  }
+  auto ci = std::make_unique<CacheComputeInfo<CacheCommitKernel>>();
+  int in[1], out[1];
+  map_by_name(ins, fins, in);
+  map_by_name(outs, fouts, out);
+  ci->kernel.cache_in = in[0];
+  ci->kernel.out = out[0];
+  ci->kernel.node = name;
+  ci->node = name;
+  return NodeComputeInfo::init(ci.release());
+}
+
+}  // namespace provider
+}  // namespace olep
