@@ -48,11 +48,13 @@ KVCache::~KVCache() {
 
 std::vector<int64_t> KVCache::seq_lens() const {
   std::lock_guard<std::mutex> lk(mu_);
+  drop_stale_step_locked();
   return content_.lens;
 }
 
 std::vector<int64_t> KVCache::first_positions() const {
   std::lock_guard<std::mutex> lk(mu_);
+  drop_stale_step_locked();
   std::vector<int64_t> out;
   for (const PageTable& t : content_.tables) out.push_back(t.first_block * g_.page_tokens);
   return out;
@@ -104,6 +106,7 @@ CacheStats KVCache::stats_locked() const {
 
 CacheStats KVCache::stats() const {
   std::lock_guard<std::mutex> lk(mu_);
+  drop_stale_step_locked();
   return stats_locked();
 }
 
@@ -125,7 +128,14 @@ void KVCache::take_over_locked(const char* method) {
   discard_step_locked();
 }
 
-void KVCache::discard_step_locked() noexcept {
+void KVCache::drop_stale_step_locked() const noexcept {
+  if (!step_ || step_->owner().thread != std::this_thread::get_id()) return;
+  const RunToken me = run_scope::current();
+  if (step_->owner().bounded() && step_->owner() == me) return;  // the calling thread's active run
+  discard_step_locked();
+}
+
+void KVCache::discard_step_locked() const noexcept {
   if (!step_) return;
   step_->rollback(*pool_);
   step_.reset();
@@ -141,6 +151,7 @@ int64_t KVCache::earliest_length_locked(int64_t b) const {
 
 void KVCache::reset() {
   std::lock_guard<std::mutex> lk(mu_);
+  drop_stale_step_locked();
   refuse_if_busy_locked("reset");
   take_over_locked("reset");
   pool_->release(all_table_pages(content_));
@@ -151,6 +162,7 @@ void KVCache::reset() {
 
 void KVCache::truncate(const std::vector<int64_t>& lengths) {
   std::lock_guard<std::mutex> lk(mu_);
+  drop_stale_step_locked();
   const int64_t B = g_.batch_size, H = g_.kv_num_heads, P = g_.page_tokens;
   if (static_cast<int64_t>(lengths.size()) != B)
     throw std::invalid_argument("lengths must have batch_size=" + str(B) + " entries; got " +
@@ -191,6 +203,7 @@ void KVCache::truncate(const std::vector<int64_t>& lengths) {
 
 void KVCache::reorder(const std::vector<int64_t>& indices) {
   std::lock_guard<std::mutex> lk(mu_);
+  drop_stale_step_locked();
   const int64_t B = g_.batch_size;
   if (static_cast<int64_t>(indices.size()) != B)
     throw std::invalid_argument("indices must have batch_size=" + str(B) + " entries; got " +
@@ -219,6 +232,7 @@ void KVCache::reorder(const std::vector<int64_t>& indices) {
 
 std::unique_ptr<KVCache> KVCache::fork(const std::vector<int64_t>& indices) {
   std::lock_guard<std::mutex> lk(mu_);
+  drop_stale_step_locked();
   const int64_t B = g_.batch_size;
   if (indices.empty()) throw std::invalid_argument("indices must name at least one sequence");
   for (size_t i = 0; i < indices.size(); ++i)
@@ -249,6 +263,7 @@ std::unique_ptr<KVCache> KVCache::fork(const std::vector<int64_t>& indices) {
 void KVCache::import_past(const std::vector<const void*>& keys, const std::vector<const void*>& values,
                           int64_t length) {
   std::lock_guard<std::mutex> lk(mu_);
+  drop_stale_step_locked();
   const int64_t B = g_.batch_size, H = g_.kv_num_heads, P = g_.page_tokens;
   if (static_cast<int64_t>(keys.size()) != g_.num_layers || static_cast<int64_t>(values.size()) != g_.num_layers)
     throw std::invalid_argument("keys and values must hold num_layers=" + str(g_.num_layers) + " arrays; got " +
@@ -296,6 +311,7 @@ void KVCache::import_past(const std::vector<const void*>& keys, const std::vecto
 
 std::vector<int64_t> KVCache::export_layer(int64_t layer, bool include_pending, const ExportAllocator& alloc) {
   std::lock_guard<std::mutex> lk(mu_);
+  if (!include_pending) drop_stale_step_locked();  // a CacheExport of the current run keeps its step
   const int64_t B = g_.batch_size, H = g_.kv_num_heads;
   if (layer < 0 || layer >= g_.num_layers)
     throw std::invalid_argument("layer must be in [0, " + str(g_.num_layers) + "); got " + str(layer));
@@ -331,6 +347,7 @@ std::vector<int64_t> KVCache::export_layer(int64_t layer, bool include_pending, 
 
 std::shared_ptr<Checkpoint> KVCache::checkpoint() {
   std::lock_guard<std::mutex> lk(mu_);
+  drop_stale_step_locked();
   CacheContent copy;
   copy.tables = content_.tables;
   copy.lens = content_.lens;
@@ -346,6 +363,7 @@ std::shared_ptr<Checkpoint> KVCache::checkpoint() {
 
 void KVCache::restore(const Checkpoint& cp) {
   std::lock_guard<std::mutex> lk(mu_);
+  drop_stale_step_locked();
   const CacheGeometry& o = cp.geometry();
   if (cp.pool() != pool_)
     throw std::invalid_argument("the checkpoint holds pages of another pool; restore it into a cache of its pool");
@@ -382,6 +400,7 @@ void KVCache::restore(const Checkpoint& cp) {
 
 std::vector<uint32_t> KVCache::page_ids(int64_t layer, int64_t b, int64_t h) const {
   std::lock_guard<std::mutex> lk(mu_);
+  drop_stale_step_locked();
   if (layer < 0 || layer >= g_.num_layers || b < 0 || b >= g_.batch_size || h < 0 || h >= g_.kv_num_heads)
     throw std::invalid_argument("(layer, sequence, head) out of range");
   const PageTable& t = content_.table(layer, b, g_.batch_size);

@@ -28,8 +28,8 @@
 // an open step, other runs and mutating methods get BusyError naming it. A
 // step of a run with unknown boundaries (the plain CPU EP path) is taken over
 // by the next run on another thread or by a method; its owner then fails at
-// its next layer with BusyError. A new run on the same thread discards the
-// thread's stale step.
+// its next layer with BusyError. A new run on the same thread, or any method
+// the thread calls, discards the thread's stale step.
 //
 // Thread safety: every public method locks the cache's mutex (lock order:
 // cache, then pool). Block pointers stay valid while the lock is held.
@@ -160,7 +160,11 @@ class KVCache : public std::enable_shared_from_this<KVCache> {
   void refuse_if_busy_locked(const char* method) const;
   // Just before the change: roll back any open step (remembering whose it was, for its owner).
   void take_over_locked(const char* method);
-  void discard_step_locked() noexcept;
+  void discard_step_locked() const noexcept;
+  // Every method first rolls back a step the calling thread left open in an earlier run that
+  // has ended (the thread is here, so its run is over): on the plain CPU EP path a failed run
+  // gives no end signal, and this makes its cache exact again for the thread that ran it.
+  void drop_stale_step_locked() const noexcept;
   void commit_step_locked();
   void evict_locked();
   CacheStats stats_locked() const;
@@ -171,9 +175,10 @@ class KVCache : public std::enable_shared_from_this<KVCache> {
   std::shared_ptr<PagePool> pool_;
   mutable std::mutex mu_;
   CacheContent content_;
-  std::optional<StepTransaction> step_;
+  mutable std::optional<StepTransaction> step_;  // mutable: readers drop the caller's stale step
   RunToken interrupted_;             // owner of the last step taken over by another run or a method
   std::string interrupted_by_;       // who took it over
+  std::thread::id last_committed_by_;  // thread whose step committed last (until a new step opens)
   std::vector<std::weak_ptr<Checkpoint>> checkpoints_;  // taken from this cache (checkpoint_bytes)
   int64_t bytes_appended_ = 0;
   int64_t bytes_copied_ = 0;

@@ -50,6 +50,7 @@ std::vector<int64_t> KVCache::begin_layer_append(int64_t layer, int64_t sequence
       }
     }
     if (interrupted_.thread == me.thread) interrupted_ = RunToken{};
+    last_committed_by_ = std::thread::id();
     StepTransaction st(g_, me, sequence_length, num_new, commit_node);
     st.reserve(content_, *pool_);  // throws before any change
     step_.emplace(std::move(st));
@@ -65,6 +66,10 @@ std::vector<int64_t> KVCache::begin_layer_append(int64_t layer, int64_t sequence
       if (step_)
         throw BusyError("the cache is being appended by " + describe_owner_locked() +
                         "; one cache serves one run at a time");
+      if (last_committed_by_ == me.thread)
+        throw std::invalid_argument("layer " + str(layer) + " appends after this run's step already committed at "
+                                    "its last layer: two nodes have layer=" + str(layer) + ", or layer 0 is "
+                                    "missing (every layer index must appear once, in order 0..num_layers-1)");
       throw std::invalid_argument("layer " + str(layer) + " appends before layer 0 did in this run: layers must "
                                   "append in order 0..num_layers-1 (in the graph, layer l must depend on layer "
                                   "l-1's output)");
@@ -144,6 +149,7 @@ std::vector<int64_t> KVCache::complete_step() {
 }
 
 void KVCache::commit_step_locked() {
+  last_committed_by_ = step_->owner().thread;
   step_->commit(content_, *pool_);
   bytes_appended_ += step_->appended_bytes();
   bytes_copied_ += step_->copied_bytes();

@@ -99,6 +99,7 @@ class Reader {
 
 void KVCache::save(const std::string& path) const {
   std::lock_guard<std::mutex> lk(mu_);
+  drop_stale_step_locked();
   const int64_t L = g_.num_layers, B = g_.batch_size, H = g_.kv_num_heads, P = g_.page_tokens;
   const std::string tmp = path + ".tmp";
   File file(std::fopen(tmp.c_str(), "wb"));

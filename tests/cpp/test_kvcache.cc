@@ -72,17 +72,23 @@ void test_steps_commit_after_last_layer() {
   check_content(*c, streams_of({5, 5}));
   CHECK(c->stats().bytes_copied == s.live_bytes);  // export counts as a copy
 
-  // Layer 0 appended, layer 1 never ran (a failed run without boundaries): nothing visible.
+  // Layer 0 appended, layer 1 never ran (a failed run without boundaries): nothing visible. Seen
+  // from another thread the step's pages are reserved, not committed; layer 1 of a different
+  // step length is refused.
   kvt::layer_step(*c, 0, 30);  // crosses into a second page
-  // layer 0 reserved the new pages of every layer (2 layers x 2 sequences x 2 heads), not committed
-  CHECK(c->stats().reserved_bytes == 2 * 2 * 2 * 32 * 8 * 4);
-  CHECK((c->seq_lens() == std::vector<int64_t>{5, 5}));
-  check_content(*c, streams_of({5, 5}));
-  // Layer 1 of a different step length is refused; layer 0 of the next run discards the stale step.
   {
     auto lk = c->lock();
     EXPECT_THROW(c->begin_layer_append(1, 3, {3, 3}, false), std::invalid_argument, "different number of tokens");
   }
+  std::thread reader([&] {
+    // layer 0 reserved the new pages of every layer (2 layers x 2 sequences x 2 heads)
+    CHECK(c->stats().reserved_bytes == 2 * 2 * 2 * 32 * 8 * 4);
+    CHECK((c->seq_lens() == std::vector<int64_t>{5, 5}));
+  });
+  reader.join();
+  // The thread that ran the failed run calls a method: its stale step is rolled back.
+  CHECK(c->stats().reserved_bytes == 0);
+  check_content(*c, streams_of({5, 5}));
   step(*c, 1);
   CHECK((c->seq_lens() == std::vector<int64_t>{6, 6}));
   check_content(*c, streams_of({6, 6}));
