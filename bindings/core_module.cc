@@ -299,6 +299,10 @@ PYBIND11_MODULE(_core, m) {
     d["num_pages"] = c->num_pages();
     d["batch_size"] = c->geometry().batch_size;
     d["num_layers"] = c->geometry().num_layers;
+    std::vector<uint32_t> ids;  // one entry per table reference (tests: the pool invariant)
+    for (const olep::PageTable& t : c->content().tables)
+      for (const olep::Page* p : t.pages) ids.push_back(p->id);
+    d["page_ids"] = ids;
     return d;
   });
 

@@ -57,6 +57,7 @@ def build_model(
     seqlens_k: bool = False,
     chain=None,
     is_causal: int = 1,
+    windows=None,
 ) -> bytes:
     """A graph of `num_layers` CacheAttention nodes sharing one `cache` input.
 
@@ -67,6 +68,7 @@ def build_model(
     `query_i + 0 * ReduceSum(Y_{i-1})`, which forces node i to run after node
     i-1 without changing any value (float32 only). docs/API.md requires layers
     to append in order within a run, so `chain` defaults to num_layers > 1.
+    `windows[i]`: node i's local_window_size (None or -1 = none).
     """
     t = ONNX_TYPE[dtype]
     chain = num_layers > 1 if chain is None else chain
@@ -97,6 +99,7 @@ def build_model(
                 domain=DOMAIN,
                 layer=int(layers[i]),
                 is_causal=int(is_causal),
+                **({"local_window_size": int(windows[i])} if windows and windows[i] not in (None, -1) else {}),
             )
         )
         outputs.append(helper.make_tensor_value_info(f"Y_{i}", t, None))
@@ -165,8 +168,13 @@ class RefCache:
     """Per layer, per sequence: K [Hkv, len, D] and V [Hkv, len, Dv]."""
 
     def __init__(self, num_layers, batch_size, kv_num_heads, head_dim, v_head_dim=None,
-                 dtype="float32", capacity=None):
+                 dtype="float32", capacity=None, *, windows=None, rollback_tokens=0, page_tokens=128):
         self.L, self.B, self.H, self.D = num_layers, batch_size, kv_num_heads, head_dim
+        # Sliding-window eviction (docs/API.md): per layer window (0 = none); first[l][b] is the
+        # first position layer l of sequence b still holds.
+        self.windows = [int(w or 0) for w in windows] if windows else [0] * num_layers
+        self.rollback, self.P = int(rollback_tokens), int(page_tokens)
+        self.first = [[0] * batch_size for _ in range(num_layers)]
         self.Dv = head_dim if v_head_dim is None else v_head_dim
         self.dtype = NP_DTYPE[dtype]
         self.capacity = capacity
@@ -198,10 +206,28 @@ class RefCache:
         K = np.zeros((self.B, self.H, n, self.D), self.dtype)
         V = np.zeros((self.B, self.H, n, self.Dv), self.dtype)
         for b in range(self.B):
-            m = self.k[layer][b].shape[1]
-            K[b, :, :m] = self.k[layer][b]
-            V[b, :, :m] = self.v[layer][b]
+            m, f = self.k[layer][b].shape[1], self.first[layer][b]
+            K[b, :, f:m] = self.k[layer][b][:, f:]
+            V[b, :, f:m] = self.v[layer][b][:, f:]
         return K, V
+
+    def evict(self):
+        """After a commit: windowed layers drop whole pages before len - W - rollback."""
+        for l, w in enumerate(self.windows):
+            if w <= 0:
+                continue
+            for b in range(self.B):
+                keep = self.k[l][b].shape[1] - w - self.rollback
+                if keep > 0:
+                    self.first[l][b] = max(self.first[l][b], keep // self.P * self.P)
+
+    def earliest(self, b):
+        """Shortest non-zero length truncate allows for sequence b."""
+        e = 0
+        for l, w in enumerate(self.windows):
+            if w > 0 and self.first[l][b] > 0:
+                e = max(e, self.first[l][b] + w - 1)
+        return e
 
     def live_bytes(self):
         return int(self.seq_lens.sum()) * self.L * self.H * (self.D + self.Dv) * self.dtype.itemsize
@@ -212,11 +238,15 @@ class RefCache:
             for b in range(self.B):
                 self.k[l][b] = self.k[l][b][:, : lengths[b]].copy()
                 self.v[l][b] = self.v[l][b][:, : lengths[b]].copy()
+                if lengths[b] == 0:
+                    self.first[l][b] = 0
 
     def reorder(self, idx):
         for l in range(self.L):
             self.k[l] = [self.k[l][i].copy() for i in idx]
             self.v[l] = [self.v[l][i].copy() for i in idx]
+            self.first[l] = [self.first[l][i] for i in idx]
+        self.B = len(idx)
 
     def reset(self):
         self.truncate(0)
@@ -238,8 +268,9 @@ class RefCache:
                     continue
                 pk = self.k[l][b][None]
                 pv = self.v[l][b][None]
-                y[b, :, :m] = ref_attn(q[b:b + 1, :, :m], k[b:b + 1, :, :m], v[b:b + 1, :, :m],
-                                       pk, pv, scale=scale, causal=True)[0]
+                w = self.windows[l] or None
+                y[b, :, :m] = _shared_ref_attn(q[b:b + 1, :, :m], k[b:b + 1, :, :m], v[b:b + 1, :, :m],
+                                               pk, pv, scale=scale, causal=True, window=w)[0]
             ys.append(y)
         for l, (q, k, v) in enumerate(qkv):
             B, _, S, _ = q.shape
@@ -247,6 +278,7 @@ class RefCache:
             for b in range(B):
                 self.k[l][b] = np.concatenate([self.k[l][b], k[b, :, : nn[b]]], 1)
                 self.v[l][b] = np.concatenate([self.v[l][b], v[b, :, : nn[b]]], 1)
+        self.evict()
         return ys
 
 
