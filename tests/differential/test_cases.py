@@ -553,3 +553,92 @@ def test_c14_beam_reorder(make_session, olep, make_cache):
         check_export(f"after reorder {idx}")
         decode(t)
     check_export("final")
+
+
+# ------------------------------------------------------- C06, C07, C14 on paged storage
+# The same semantics with pages of 32 positions, histories that cross page ends, and sliding
+# windows that evict pages (the cache's sliding_window + rollback_tokens).
+
+def test_c06_paged_window3_across_page_ends_with_eviction(make_session, make_cache):
+    rng = np.random.default_rng(160)
+    D, W = 4, 3
+    cache = make_cache(1, 1, 1, D, dtype="float32", max_sequence_length=128, page_tokens=32, sliding_window=W)
+    sess = make_session(model(1, 1, D, is_causal=1, local_window_size=W))
+    q, k, v = rnd(rng, 1, 1, 31, D), rnd(rng, 1, 1, 31, D), rnd(rng, 1, 1, 31, D)
+    y, _ = step(sess, cache, q, k, v)
+    assert_close(y, ref_attn(q, k, v, window=W)[0], np.float32, "prefill 31")
+    hk, hv = k, v
+    for pos in range(31, 70):
+        q1, k1, v1 = rnd(rng, 1, 1, 1, D), rnd(rng, 1, 1, 1, D), rnd(rng, 1, 1, 1, D)
+        y1, _ = step(sess, cache, q1, k1, v1)
+        exp, p, _, _ = ref_attn(q1, k1, v1, hk, hv, window=W)
+        assert np.flatnonzero(p[0, 0, 0]).tolist() == [pos - 2, pos - 1, pos]
+        assert_close(y1, exp, np.float32, f"decode at position {pos}")
+        hk, hv = np.concatenate([hk, k1], 2), np.concatenate([hv, v1], 2)
+        assert cache._first_positions()[0, 0] == max(0, pos + 1 - W) // 32 * 32
+    assert cache.stats()["num_pages"] <= 2
+
+
+@pytest.mark.parametrize("rollback", [0, 5])
+def test_c07_paged_window8_evicts_only_whole_pages_out_of_window(make_session, make_cache, rollback):
+    """C07 on pages: W=8, pages of 32. Prefill 30, decode to 70 (two evictions), with a chunk of
+    S=3 across an eviction point: each call keeps W-1+S keys, then trims whole pages."""
+    rng = np.random.default_rng(170 + rollback)
+    D, W = 4, 8
+    cache = make_cache(1, 1, 1, D, dtype="float32", max_sequence_length=128, page_tokens=32, sliding_window=W,
+                       rollback_tokens=rollback)
+    sess = make_session(model(1, 1, D, is_causal=1, local_window_size=W))
+    q = (0.1 * rng.standard_normal((1, 1, 30, D))).astype(np.float32)
+    k, v = _c07_tokens(range(30))
+    step(sess, cache, q, k, v)
+    hk, hv, n = k, v, 30
+    while n < 70:
+        S = 3 if n in (38, 39, 40) else 1
+        q1 = (0.1 * rng.standard_normal((1, 1, S, D))).astype(np.float32)
+        k1, v1 = _c07_tokens(range(n, n + S))
+        y1, _ = step(sess, cache, q1, k1, v1)
+        assert_close(y1, ref_attn(q1, k1, v1, hk, hv, window=W)[0], np.float32, f"total {n} + {S}")
+        hk, hv, n = np.concatenate([hk, k1], 2), np.concatenate([hv, v1], 2), n + S
+        first = int(cache._first_positions()[0, 0])
+        assert first == max(0, n - W - rollback) // 32 * 32, (n, first)
+        ek, _ = cache.export(0)
+        assert_bit_equal(ek[:, :, first:], hk[:, :, first:], f"rows kept at total {n}")
+        assert not ek[:, :, :first].any()  # evicted positions read back as zeros
+    with pytest.raises(ValueError, match="earliest length"):
+        cache.truncate(n - W - rollback - 1 - 32)
+
+
+def test_c14_paged_beam_reorder_copies_only_shared_tail_pages(make_session, make_cache):
+    """C14 on pages of 32 with a 40-token prefill (a full page and a partly filled one): reorders
+    [2,0,0], [1,1,2], [0,0,0]; appends after a reorder copy each shared tail page once."""
+    rng = np.random.default_rng(140)
+    NB, H, D, P = 3, 1, 2, 40
+    cache = make_cache(1, NB, H, D, dtype="float32", max_sequence_length=128, page_tokens=32)
+    sess = make_session(model(H, H, D, is_causal=1))
+    q0 = np.repeat(rnd(rng, 1, H, P, D), NB, 0)
+    k0 = np.repeat(rnd(rng, 1, H, P, D), NB, 0)
+    v0 = np.repeat(rnd(rng, 1, H, P, D), NB, 0)
+    step(sess, cache, q0, k0, v0)
+    hist = [(k0[b], v0[b]) for b in range(NB)]
+    row = 2 * D * 4
+    for t, idx in enumerate([[2, 0, 0], [1, 1, 2], [0, 0, 0]], start=1):
+        cache.reorder(idx)
+        hist = [hist[i] for i in idx]
+        copies_before = cache.stats()["bytes_copied"]
+        pos = P + t - 1
+        q = rnd(rng, NB, H, 1, D)
+        k = np.array([[[[pos, 0.25 * (b + 1)]]] for b in range(NB)], np.float32)
+        v = np.array([[[[10.0 * pos + b, -(10.0 * pos + b)]]] for b in range(NB)], np.float32)
+        y, _ = step(sess, cache, q, k, v)
+        for b in range(NB):
+            hk, hv = hist[b]
+            assert_close(y[b:b + 1], ref_attn(q[b:b + 1], k[b:b + 1], v[b:b + 1], hk[None], hv[None])[0],
+                         np.float32, f"reorder {idx} beam {b}")
+        hist = [(np.concatenate([hist[b][0], k[b]], 1), np.concatenate([hist[b][1], v[b]], 1)) for b in range(NB)]
+        # every beam sharing its tail page with another copied its (pos % 32) valid rows, once
+        shared = sum(1 for b in range(NB) if idx.count(idx[b]) > 1)
+        copied = cache.stats()["bytes_copied"] - copies_before
+        assert copied <= shared * (pos % 32) * row, (idx, copied)
+        ek, ev = cache.export(0)
+        assert_bit_equal(ek, np.stack([h[0] for h in hist]), f"after reorder {idx}")
+        assert_bit_equal(ev, np.stack([h[1] for h in hist]))
