@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Decode-step benchmark (issue 4): thin wrapper over ``onnx_light_ep.bench``.
+"""Decode-step benchmark: thin wrapper over ``onnx_light_ep.bench``.
 
 Same options as ``onnx-light bench``; additionally records the source
 revision (``$OLEP_SOURCE_REVISION``, else ``git describe --always --dirty`` of

@@ -3,8 +3,7 @@
 Works on ``onnx`` + numpy only; it never imports onnxruntime, so it runs
 wherever the exporter runs.
 
-What it does (issue 3; design in ../shared/DESIGN.md, "The standard boundary
-stays standard"):
+What it does (design: docs/API.md, "Convert an exported model" in README.md):
 
 - recognises the attention of each layer: ``com.microsoft.GroupQueryAttention``
   (``_gqa``), ONNX ``Attention`` with past/present, ``Concat(past, new)``

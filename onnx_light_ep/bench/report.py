@@ -1,4 +1,4 @@
-"""Markdown table and PNG plot of a ``run_bench`` result (see ``bench.py``).
+"""Markdown table and PNG plot of a ``run_bench`` result (see ``decode.py``).
 
 ``markdown(result)`` returns the report text: machine, command, then one table
 per (layers kind, thread count); rows are configurations, columns each
@@ -223,7 +223,7 @@ def grid_markdown(result: Dict) -> str:
 
 def e2e_markdown(result: Dict) -> str:
     """The end-to-end part (SmolLM2-135M tokens/s), with its command."""
-    from ._bench_e2e import markdown_lines
+    from .e2e import markdown_lines
 
     s = result["settings"]
     return "\n".join(markdown_lines(result["end_to_end"]) +

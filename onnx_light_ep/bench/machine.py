@@ -20,7 +20,7 @@ from typing import Dict, Optional
 
 import numpy as np
 
-from . import _core
+from .. import _core
 
 _FLAGS_OF_INTEREST = ("avx2", "avx512f", "avx512bw", "avx512_bf16", "avx512_fp16", "amx_tile",
                       "amx_bf16", "f16c", "fma")
@@ -89,7 +89,7 @@ def machine_info(measure_bandwidth: bool = True) -> Dict:
     """JSON-able description of this machine and software stack."""
     import onnxruntime as ort
 
-    from . import __version__, get_library_path
+    from .. import __version__, get_library_path
 
     ls = _lscpu()
     flags = set(ls.get("Flags", "").split())

@@ -21,7 +21,7 @@ from typing import List
 import onnx
 from onnx import TensorProto, helper
 
-from ._registration import DOMAIN
+from .._registration import DOMAIN
 
 __all__ = [
     "attention_past_model",

@@ -1,4 +1,4 @@
-"""The decode-step candidates the benchmark interleaves (see ``bench.py``).
+"""The decode-step candidates the benchmark interleaves (see ``decode.py``).
 
 Each candidate owns its sessions and its K/V state, is built from one shared
 :class:`StepData` (same past contents and the same new-token inputs for all),
@@ -40,9 +40,9 @@ import ml_dtypes
 import numpy as np
 from onnx import TensorProto
 
-from . import _bench_models as models
-from . import _core
-from ._registration import EP_NAME, InferenceSession, _import_ort
+from . import models
+from .. import _core
+from .._registration import EP_NAME, InferenceSession, _import_ort
 
 CPU_EP = "CPUExecutionProvider"
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -362,7 +362,7 @@ class EpKVCache(Candidate):
     key = "ep_kvcache"
 
     def __init__(self, data: StepData, threads: Sequence[int]):
-        from .cache import KVCache
+        from ..cache import KVCache
 
         self.cache = KVCache.from_past(data.past_keys, data.past_values,
                                        max_sequence_length=data.capacity)

@@ -1,4 +1,4 @@
-"""Decode benchmark (issue 4): one decode step, interleaved candidates, one process.
+"""Decode benchmark: one decode step, interleaved candidates, one process.
 
 ``run_bench(configs, threads, quick, out_dir, ...) -> dict`` is the whole
 benchmark; ``onnx-light bench`` and ``tools/bench_decode.py`` only parse
@@ -9,7 +9,7 @@ What it measures. A *configuration* is (``q_num_heads``, ``kv_num_heads``,
 is one new token through all ``num_layers`` attention layers (layer ``l``
 reads layer ``l-1``'s output as its query). For each configuration and each
 thread count (``SessionOptions.intra_op_num_threads``) the candidates of
-``_bench_candidates`` are built from the same inputs, then run round-robin:
+``candidates`` are built from the same inputs, then run round-robin:
 round ``r`` steps every candidate once (the order rotates every round), the
 first ``warmup`` rounds are discarded, the next ``reps`` are kept as raw
 samples (ms). Every candidate starts at context ``L`` and appends one token per
@@ -49,8 +49,8 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence
 
 import numpy as np
 
-from . import _bench_candidates as cands
-from ._bench_machine import machine_info, read_status_kib, reset_peak_rss
+from . import candidates as cands
+from .machine import machine_info, read_status_kib, reset_peak_rss
 
 __all__ = ["BenchConfig", "default_configs", "run_bench", "CANDIDATES"]
 
@@ -407,7 +407,7 @@ def run_bench(configs: Optional[Iterable] = None, threads: Sequence[int] = (1, 2
             cores of the candidate that runs next).
         plot: write the PNG if matplotlib is importable.
         grid: run the attention-step configurations (``False``: only ``e2e``).
-        e2e: also run the end-to-end SmolLM2-135M comparison (``_bench_e2e``:
+        e2e: also run the end-to-end SmolLM2-135M comparison (``e2e``:
             EP KVCache vs plain ORT vs onnxruntime-genai, tokens/s) at
             ``e2e_contexts`` with ``e2e_threads``; needs ``onnx_light_ep.convert``
             and ``onnx_light_ep.models.smollm2`` (builds the model once).
@@ -420,7 +420,7 @@ def run_bench(configs: Optional[Iterable] = None, threads: Sequence[int] = (1, 2
         The JSON-able dict also written to ``bench_decode.json``: ``machine``,
         ``settings``, ``results`` (one record per configuration with its runs).
     """
-    from . import _bench_report as report
+    from . import report
 
     for k in candidates:
         if k not in CANDIDATES:
@@ -453,7 +453,7 @@ def run_bench(configs: Optional[Iterable] = None, threads: Sequence[int] = (1, 2
             progress(f"  ({rec['elapsed_s']:.1f} s, total {time.perf_counter() - t0:.0f} s)")
         _write_json(result, out_dir)  # partial results survive an interrupted run
     if e2e:
-        from ._bench_e2e import run_e2e
+        from .e2e import run_e2e
 
         progress("[e2e] SmolLM2-135M end to end")
         settings["e2e"] = {"contexts": list(e2e_contexts), "threads": list(e2e_threads)}
@@ -534,7 +534,7 @@ def main_from_args(args, command: Optional[str] = None, metadata: Optional[Dict]
     import shlex
     import sys
 
-    from . import _bench_report as report
+    from . import report
 
     if command is None:
         command = shlex.join(["onnx-light"] + sys.argv[1:])

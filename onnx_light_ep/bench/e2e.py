@@ -33,7 +33,7 @@ from typing import Callable, Dict, List, Sequence
 
 import numpy as np
 
-from ._bench_candidates import CPU_EP, session_options
+from .candidates import CPU_EP, session_options
 
 RUNNERS = ("ep_kvcache", "ort_past_present", "genai")
 
@@ -42,13 +42,13 @@ class _EpRunner:
     key = "ep_kvcache"
 
     def __init__(self, converted: str, threads: int):
-        from . import InferenceSession
+        from .. import InferenceSession
 
         self.sess = InferenceSession(converted, session_options(threads, allow_spinning=True))
         self.path = converted
 
     def start(self, prompt: np.ndarray, capacity: int) -> int:
-        from .cache import KVCache
+        from ..cache import KVCache
 
         self.cache = KVCache.for_model(self.path, 1, capacity)
         self.total = prompt.shape[1]
@@ -142,7 +142,7 @@ class _GenaiRunner:
 
 
 def _converted_model(src_dir: str, work_dir: str, progress) -> str:
-    from . import convert
+    from .. import convert
 
     out = os.path.join(work_dir, "smollm2_onnx_light", "model.onnx")
     src = os.path.join(src_dir, "model.onnx")
@@ -161,7 +161,7 @@ def run_e2e(contexts: Sequence[int] = (256, 4096), threads: Sequence[int] = (1,)
             reps: int = 16, work_dir: str = "bench_out", seed: int = 0,
             progress: Callable[[str], None] = print) -> Dict:
     """SmolLM2-135M decode tokens/s per runner; see the module docstring. Returns a JSON-able dict."""
-    from .models.smollm2 import ensure_smollm2_onnx
+    from ..models.smollm2 import ensure_smollm2_onnx
 
     src_dir = str(ensure_smollm2_onnx(progress=False))
     converted = _converted_model(src_dir, work_dir, progress)
