@@ -1,4 +1,4 @@
-"""fp64 numpy oracle for attention (verbatim ``ref_attn`` from /work/shared/CASES.md)
+"""fp64 numpy oracle for attention (verbatim ``ref_attn`` from docs/CASES.md)
 plus layout helpers and the tolerances every test uses.
 
 Tolerances (never widen them to make a test pass):

@@ -356,16 +356,23 @@ class StaticBuffer(Candidate):
         self._keep = []
 
 
+EP_PAGE_TOKENS = None  # page size of ep_kvcache (run_bench(page_tokens=...)); None = library default
+
+
 class EpKVCache(Candidate):
-    """``ep_kvcache``: ``CacheAttention`` on the EP, cache pre-filled with ``KVCache.from_past``."""
+    """``ep_kvcache``: ``CacheAttention`` on the EP, cache pre-filled with ``KVCache.from_past``
+    on pages of the default size (``DEFAULT_PAGE_TOKENS``)."""
 
     key = "ep_kvcache"
+
+    def page_tokens(self, data: StepData):
+        return EP_PAGE_TOKENS
 
     def __init__(self, data: StepData, threads: Sequence[int]):
         from ..cache import KVCache
 
         self.cache = KVCache.from_past(data.past_keys, data.past_values,
-                                       max_sequence_length=data.capacity)
+                                       max_sequence_length=data.capacity, page_tokens=self.page_tokens(data))
         model = models.cache_attention_model(data.num_layers, data.q_num_heads, data.kv_num_heads,
                                              data.head_dim, data.dtype)
         inputs = {"query": ortvalue(data.query), "kv_cache": ortvalue(self.cache.handle)}
@@ -400,6 +407,16 @@ class EpKVCache(Candidate):
     def close(self) -> None:
         self.bindings = self.sessions = self._inputs = None
         self.cache.close()
+
+
+class EpKVCacheBlock(EpKVCache):
+    """``ep_kvcache_block``: the same bytes in one page per (layer, sequence, kv head), i.e. one
+    contiguous block (the storage before pages), for the paged-vs-block cost in the same run."""
+
+    key = "ep_kvcache_block"
+
+    def page_tokens(self, data: StepData):
+        return -(-data.capacity // 32) * 32
 
 
 class StreamLimit(Candidate):

@@ -55,7 +55,7 @@ from .machine import machine_info, read_status_kib, reset_peak_rss
 __all__ = ["BenchConfig", "default_configs", "run_bench", "CANDIDATES"]
 
 CANDIDATES = ("limit", "ort_attention_past", "ort_gqa_shared", "ort_tensor_scatter",
-              "ep_attention_past", "ep_kvcache")
+              "ep_attention_past", "ep_kvcache", "ep_kvcache_block")
 ORT_EQUIVALENT = ("ort_gqa_shared", "ort_tensor_scatter")
 ORT_ONLY = ("ort_attention_past", "ort_gqa_shared", "ort_tensor_scatter", "ep_attention_past")
 BF16_NOTE = ("onnxruntime CPU has no bfloat16 kernel for Attention (falls back to its function "
@@ -156,6 +156,9 @@ def add_ratios(result: Dict) -> None:
         v["gb_per_s"] = result["read_bytes"] / (med[k] * 1e-3) / 1e9
         v["speedup_vs_ort_gqa"] = med["ort_gqa_shared"] / med[k] if "ort_gqa_shared" in med else None
         v["speedup_vs_ort_best"] = med[best] / med[k] if best else None
+    if "ep_kvcache" in med and "ep_kvcache_block" in med:
+        # paged storage (default page size) vs the same bytes in one block, same run
+        result["paged_vs_block"] = med["ep_kvcache"] / med["ep_kvcache_block"]
 
 
 # -- one configuration ----------------------------------------------------------
@@ -171,6 +174,8 @@ def _build(key: str, data, threads: Sequence[int]):
         return cands.StaticBuffer(key, data, threads)
     if key == "ep_kvcache":
         return cands.EpKVCache(data, threads)
+    if key == "ep_kvcache_block":
+        return cands.EpKVCacheBlock(data, threads)
     raise ValueError(f"run_bench: candidate; expected one of {CANDIDATES}, got {key!r}")
 
 
@@ -183,7 +188,8 @@ def _memory_estimate(key: str, cfg: BenchConfig, capacity: int, num_threads: int
     w_cap = w * capacity // cfg.context_length
     tensor = 3 * w_cap * num_threads
     return {"limit": 0, "ort_attention_past": tensor, "ep_attention_past": tensor,
-            "ort_gqa_shared": w_cap, "ort_tensor_scatter": w_cap, "ep_kvcache": w_cap}[key]
+            "ort_gqa_shared": w_cap, "ort_tensor_scatter": w_cap, "ep_kvcache": w_cap,
+            "ep_kvcache_block": w_cap}[key]
 
 
 def _plan_candidates(cfg, candidates, capacity, budget, num_threads):
@@ -386,7 +392,8 @@ def run_bench(configs: Optional[Iterable] = None, threads: Sequence[int] = (1, 2
               slow_step_s: float = 3.0, allow_spinning: bool = False, plot: bool = True,
               grid: bool = True, e2e: bool = False, e2e_contexts: Sequence[int] = (256, 4096),
               e2e_threads: Sequence[int] = (1,), command: Optional[str] = None,
-              metadata: Optional[Dict] = None, progress: Callable[[str], None] = print) -> Dict:
+              metadata: Optional[Dict] = None, progress: Callable[[str], None] = print,
+              page_tokens: Optional[int] = None) -> Dict:
     """Run the decode benchmark and write ``bench_decode.{json,md,png}`` into ``out_dir``.
 
     Args:
@@ -415,6 +422,8 @@ def run_bench(configs: Optional[Iterable] = None, threads: Sequence[int] = (1, 2
         metadata: extra JSON-able facts recorded under ``settings["metadata"]``
             (e.g. the source revision).
         progress: called with one line of text per configuration / run.
+        page_tokens: page size of the ``ep_kvcache`` candidate (None = the library default);
+            ``ep_kvcache_block`` always holds each (layer, sequence, head) in one page.
 
     Returns:
         The JSON-able dict also written to ``bench_decode.json``: ``machine``,
@@ -436,7 +445,8 @@ def run_bench(configs: Optional[Iterable] = None, threads: Sequence[int] = (1, 2
     cfgs = cfgs if grid else []
     cfgs = [c if c.num_layers else replace(c, num_layers=plan_layers(c, llc)) for c in cfgs]
     os.makedirs(out_dir, exist_ok=True)
-    settings = {"threads": list(threads), "warmup": warmup, "reps": reps, "quick": quick,
+    cands.EP_PAGE_TOKENS = page_tokens
+    settings = {"page_tokens": page_tokens, "threads": list(threads), "warmup": warmup, "reps": reps, "quick": quick,
                 "candidates": list(candidates), "memory_budget_bytes": memory_budget_bytes,
                 "slow_step_s": slow_step_s, "llc_multiple": LLC_MULTIPLE, "max_layers": MAX_LAYERS,
                 "allow_spinning": bool(allow_spinning), "command": command,
@@ -520,6 +530,8 @@ def add_arguments(parser) -> None:
                         help="a candidate whose second step is slower runs 2 + 5 steps (default 3)")
     parser.add_argument("--spin", action="store_true", help="let ORT intra-op threads spin (default off)")
     parser.add_argument("--no-plot", action="store_true", help="do not write the PNG")
+    parser.add_argument("--page-tokens", type=int, default=None,
+                        help="page size of the ep_kvcache candidate (default: the library's)")
     parser.add_argument("--e2e", action="store_true",
                         help="also run end to end on SmolLM2-135M (EP vs plain ORT vs onnxruntime-genai)")
     parser.add_argument("--e2e-only", action="store_true", help="only the end-to-end part")
@@ -547,7 +559,7 @@ def main_from_args(args, command: Optional[str] = None, metadata: Optional[Dict]
                        e2e=args.e2e or args.e2e_only,
                        e2e_contexts=[int(c) for c in args.e2e_contexts.split(",")],
                        e2e_threads=[int(t) for t in args.e2e_threads.split(",")],
-                       command=command, metadata=metadata)
+                       command=command, metadata=metadata, page_tokens=args.page_tokens)
     if args.benchmarks_md:
         report.update_benchmarks_md(args.benchmarks_md, result,
                                     os.path.join(args.out_dir, "bench_decode.png"))

@@ -19,12 +19,13 @@ from typing import Dict, List, Optional
 
 SHORT = {"limit": "limit", "ort_attention_past": "ORT Attn past", "ort_gqa_shared": "ORT GQA shared",
          "ort_tensor_scatter": "ORT TS+Attn24", "ep_attention_past": "EP tensor",
-         "ep_kvcache": "EP KVCache"}
+         "ep_kvcache": "EP KVCache", "ep_kvcache_block": "EP one block"}
 _ORDER = ("limit", "ort_attention_past", "ort_gqa_shared", "ort_tensor_scatter", "ep_attention_past",
-          "ep_kvcache")
+          "ep_kvcache", "ep_kvcache_block")
 _DT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 _COLORS = {"limit": "black", "ort_attention_past": "tab:orange", "ort_gqa_shared": "tab:green",
-           "ort_tensor_scatter": "tab:red", "ep_attention_past": "tab:purple", "ep_kvcache": "tab:blue"}
+           "ort_tensor_scatter": "tab:red", "ep_attention_past": "tab:purple", "ep_kvcache": "tab:blue",
+           "ep_kvcache_block": "tab:cyan"}
 
 
 def _cell(entry: Optional[Dict]) -> str:
@@ -58,7 +59,8 @@ def _row(rec: Dict, run: Dict) -> str:
     cells = [name,
              str(c["num_layers"]), f"{rec['working_set_bytes'] / 2**20:.0f}"]
     cells += [_cell(run["candidates"].get(k)) for k in _ORDER]
-    cells += [_ratio(ep.get("x_limit")), _ratio(ep.get("speedup_vs_ort_best"), "x") +
+    cells += [_ratio(ep.get("x_limit")), _ratio(run.get("paged_vs_block")),
+              _ratio(ep.get("speedup_vs_ort_best"), "x") +
               (f" ({SHORT[best].replace('ORT ', '')})" if best and ep.get("speedup_vs_ort_best") else ""),
               _bytes_cell(ep)]
     return "| " + " | ".join(cells) + " |"
@@ -73,7 +75,7 @@ def _bytes_cell(ep: Dict) -> str:
 
 def _table(rows: List[str]) -> List[str]:
     head = (["config", "layers", "K+V MiB/step"] + [SHORT[k] + " ms" for k in _ORDER] +
-            ["EP ÷ limit", "EP speedup vs ORT best", "EP appended / copied per step"])
+            ["EP ÷ limit", "paged ÷ one block", "EP speedup vs ORT best", "EP appended / copied per step"])
     return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + rows
 
 

@@ -1,5 +1,5 @@
 // Scalar streaming attention kernel against a naive double-precision
-// reference (the semantics of shared/CASES.md's ref_attn): GQA grouping,
+// reference (the semantics of docs/CASES.md's ref_attn): GQA grouping,
 // causal offset, sliding window, softcap, bool/additive masks, fully masked
 // rows, split blocks, fp16/bf16 storage with fp32 accumulation.
 #include <cmath>

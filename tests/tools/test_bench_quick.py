@@ -43,6 +43,7 @@ def test_quick_json_structure(tmp_path):
         assert ep["providers"] == {"fused by OnnxLightExecutionProvider": ["OnnxLightExecutionProvider"]}
         assert ep["bytes_appended_per_step"] == run["append_bytes"] == 2 * 2 * 1 * 16 * 4 * 2
         assert ep["bytes_copied_per_step"] == 0
+        assert c["ep_kvcache_block"]["status"] == "ok" and run["paged_vs_block"] > 0
         assert run["ort_best"] in ("ort_gqa_shared", "ort_tensor_scatter")
     # all candidates computed the same Y from the same state (harness sanity)
     for which in ("output_max_abs_diff_first_step", "output_max_abs_diff_last_step"):
