@@ -535,6 +535,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--e2e", action="store_true",
                         help="also run end to end on SmolLM2-135M (EP vs plain ORT vs onnxruntime-genai)")
     parser.add_argument("--e2e-only", action="store_true", help="only the end-to-end part")
+    parser.add_argument("--arena", action="store_true",
+                        help="also run the generation-operation benchmarks (bench/arena.py: beam search, "
+                             "fork, checkpoint/restore, sliding-window memory, page-table overhead)")
+    parser.add_argument("--arena-only", action="store_true", help="only the arena benchmarks")
     parser.add_argument("--e2e-contexts", default="256,4096", help="end-to-end context lengths")
     parser.add_argument("--e2e-threads", default="1", help="end-to-end intra_op_num_threads values")
     parser.add_argument("--benchmarks-md", default=None, metavar="PATH",
@@ -551,6 +555,15 @@ def main_from_args(args, command: Optional[str] = None, metadata: Optional[Dict]
     if command is None:
         command = shlex.join(["onnx-light"] + sys.argv[1:])
     configs = [_parse_config(c) for c in args.config] if args.config else None
+    if args.arena or args.arena_only:
+        from .arena import run_arena
+
+        arena = run_arena(args.out_dir, quick=args.quick, threads=int(args.threads.split(",")[0]), command=command)
+        if args.benchmarks_md:
+            report.update_benchmarks_md_section(args.benchmarks_md, "arena", arena)
+        print(f"wrote {os.path.join(args.out_dir, 'bench_arena.json')} ({arena['settings']['elapsed_s']:.0f} s)")
+        if args.arena_only:
+            return 0
     result = run_bench(configs, threads=[int(t) for t in args.threads.split(",")], quick=args.quick,
                        out_dir=args.out_dir, warmup=args.warmup, reps=args.reps,
                        candidates=[c for c in args.candidates.split(",") if c],

@@ -56,3 +56,19 @@ def test_quick_json_structure(tmp_path):
         assert c["limit"]["status"] == "ok"
         for key in ("ort_attention_past", "ort_gqa_shared", "ort_tensor_scatter"):
             assert c[key]["status"].startswith("unsupported"), (key, c[key]["status"])
+
+
+def test_arena_quick(tmp_path):
+    """Smoke test of the generation-operation benchmarks: every part runs and reports sane figures."""
+    from onnx_light_ep.bench.arena import run_arena
+
+    r = run_arena(str(tmp_path), quick=True, progress=lambda s: None)
+    beam = r["beam"][0]
+    assert beam["ep"]["median_ms"] > 0 and beam["ort_gather"]["median_ms"] > 0
+    assert 0 < beam["ep_bytes_copied_per_step"] < beam["ort_bytes_copied_per_step"]
+    assert r["fork"][0]["fork"]["median_ms"] > 0
+    assert r["speculative"][0]["bytes_copied"] == 0  # checkpoint, truncate and restore copy no rows
+    w = r["sliding_window"]
+    assert all(row["evicting_committed_bytes"] <= w["bound_bytes"] for row in w["rows"])
+    assert w["rows"][-1]["keeping_committed_bytes"] > w["rows"][-1]["evicting_committed_bytes"]
+    assert (tmp_path / "bench_arena.md").read_text().startswith("Shape: GQA")
