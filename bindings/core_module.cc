@@ -322,6 +322,9 @@ PYBIND11_MODULE(_core, m) {
   }, "page_refs of the pool a cache uses (its private pool included).");
   m.def("process_committed_bytes", [] { return olep::PagePool::process_committed_bytes(); },
         "Slab bytes mapped by every page pool of the process.");
+  m.def("set_huge_pages", [](bool on) { olep::PagePool::set_huge_pages(on); },
+        "Whether slabs mapped from now on use huge pages (default True; benchmarks compare both).");
+  m.def("huge_pages", [] { return olep::PagePool::huge_pages(); });
 
   // ---- run boundaries (onnx_light_ep.InferenceSession) ----
   m.def("run_begin", [](bool deferred) { olep::run_scope::begin(deferred); },

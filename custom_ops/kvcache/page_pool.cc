@@ -27,6 +27,7 @@ constexpr uint32_t kMaxPagesPerSlab = 1u << 16;
 constexpr uint32_t kMaxSlabs = 1u << 16;
 
 std::atomic<int64_t> g_process_committed{0};
+std::atomic<bool> g_huge_pages{true};
 
 std::string str(int64_t v) { return std::to_string(v); }
 
@@ -112,7 +113,8 @@ uint32_t PagePool::map_slab_locked(SizeClass& c) {
   // whole slab in now (no page faults later, on the decode path), then collapse any 2 MiB range
   // that still has small pages (MADV_COLLAPSE works whatever the THP "enabled" setting). All
   // best effort: a kernel without them keeps 4 KiB pages, which only costs read speed.
-  madvise(base, bytes, MADV_HUGEPAGE);
+  const bool huge = g_huge_pages.load(std::memory_order_relaxed);
+  madvise(base, bytes, huge ? MADV_HUGEPAGE : MADV_NOHUGEPAGE);
   if (madvise(base, bytes, MADV_POPULATE_WRITE) != 0) {
     if (errno == ENOMEM || errno == EFAULT) {
       munmap(base, bytes);
@@ -121,7 +123,7 @@ uint32_t PagePool::map_slab_locked(SizeClass& c) {
     const long ps = sysconf(_SC_PAGESIZE);
     for (size_t off = 0; off < bytes; off += static_cast<size_t>(ps > 0 ? ps : 4096)) base[off] = 0;
   }
-  madvise(base, bytes, MADV_COLLAPSE);
+  if (huge) madvise(base, bytes, MADV_COLLAPSE);
 
   auto slab = std::make_unique<Slab>();
   slab->map = base;
@@ -280,5 +282,9 @@ void PagePool::add_checkpoint(int delta) {
 }
 
 int64_t PagePool::process_committed_bytes() { return g_process_committed.load(std::memory_order_relaxed); }
+
+void PagePool::set_huge_pages(bool on) { g_huge_pages.store(on, std::memory_order_relaxed); }
+
+bool PagePool::huge_pages() { return g_huge_pages.load(std::memory_order_relaxed); }
 
 }  // namespace olep

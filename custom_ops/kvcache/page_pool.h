@@ -98,6 +98,10 @@ class PagePool {
 
   /// Bytes committed by every pool of the process (slab bytes mapped).
   static int64_t process_committed_bytes();
+  /// Whether slabs mapped from now on are backed by huge pages (default true; benchmarks turn it
+  /// off to measure what huge pages buy: such slabs are MADV_NOHUGEPAGE, 4 KiB pages).
+  static void set_huge_pages(bool on);
+  static bool huge_pages();
 
  private:
   struct Slab;

@@ -419,6 +419,21 @@ class EpKVCacheBlock(EpKVCache):
         return -(-data.capacity // 32) * 32
 
 
+class EpKVCacheSmallPages(EpKVCache):
+    """``ep_kvcache_4k``: ``ep_kvcache`` on slabs without huge pages (4 KiB pages, MADV_NOHUGEPAGE),
+    to measure what the huge-page slabs buy, in the same run."""
+
+    key = "ep_kvcache_4k"
+
+    def __init__(self, data: StepData, threads: Sequence[int]):
+        was = _core.huge_pages()
+        _core.set_huge_pages(False)
+        try:
+            super().__init__(data, threads)
+        finally:
+            _core.set_huge_pages(was)
+
+
 class StreamLimit(Candidate):
     """``limit``: one vectorized read of the step's K+V bytes (layer arrays in order).
 

@@ -55,7 +55,7 @@ from .machine import machine_info, read_status_kib, reset_peak_rss
 __all__ = ["BenchConfig", "default_configs", "run_bench", "CANDIDATES"]
 
 CANDIDATES = ("limit", "ort_attention_past", "ort_gqa_shared", "ort_tensor_scatter",
-              "ep_attention_past", "ep_kvcache", "ep_kvcache_block")
+              "ep_attention_past", "ep_kvcache", "ep_kvcache_block", "ep_kvcache_4k")
 ORT_EQUIVALENT = ("ort_gqa_shared", "ort_tensor_scatter")
 ORT_ONLY = ("ort_attention_past", "ort_gqa_shared", "ort_tensor_scatter", "ep_attention_past")
 BF16_NOTE = ("onnxruntime CPU has no bfloat16 kernel for Attention (falls back to its function "
@@ -159,6 +159,8 @@ def add_ratios(result: Dict) -> None:
     if "ep_kvcache" in med and "ep_kvcache_block" in med:
         # paged storage (default page size) vs the same bytes in one block, same run
         result["paged_vs_block"] = med["ep_kvcache"] / med["ep_kvcache_block"]
+    if "ep_kvcache" in med and "ep_kvcache_4k" in med:
+        result["small_vs_huge_pages"] = med["ep_kvcache_4k"] / med["ep_kvcache"]
 
 
 # -- one configuration ----------------------------------------------------------
@@ -176,6 +178,8 @@ def _build(key: str, data, threads: Sequence[int]):
         return cands.EpKVCache(data, threads)
     if key == "ep_kvcache_block":
         return cands.EpKVCacheBlock(data, threads)
+    if key == "ep_kvcache_4k":
+        return cands.EpKVCacheSmallPages(data, threads)
     raise ValueError(f"run_bench: candidate; expected one of {CANDIDATES}, got {key!r}")
 
 
@@ -189,7 +193,7 @@ def _memory_estimate(key: str, cfg: BenchConfig, capacity: int, num_threads: int
     tensor = 3 * w_cap * num_threads
     return {"limit": 0, "ort_attention_past": tensor, "ep_attention_past": tensor,
             "ort_gqa_shared": w_cap, "ort_tensor_scatter": w_cap, "ep_kvcache": w_cap,
-            "ep_kvcache_block": w_cap}[key]
+            "ep_kvcache_block": w_cap, "ep_kvcache_4k": w_cap}[key]
 
 
 def _plan_candidates(cfg, candidates, capacity, budget, num_threads):

@@ -19,13 +19,13 @@ from typing import Dict, List, Optional
 
 SHORT = {"limit": "limit", "ort_attention_past": "ORT Attn past", "ort_gqa_shared": "ORT GQA shared",
          "ort_tensor_scatter": "ORT TS+Attn24", "ep_attention_past": "EP tensor",
-         "ep_kvcache": "EP KVCache", "ep_kvcache_block": "EP one block"}
+         "ep_kvcache": "EP KVCache", "ep_kvcache_block": "EP one block", "ep_kvcache_4k": "EP 4 KiB pages"}
 _ORDER = ("limit", "ort_attention_past", "ort_gqa_shared", "ort_tensor_scatter", "ep_attention_past",
-          "ep_kvcache", "ep_kvcache_block")
+          "ep_kvcache", "ep_kvcache_block", "ep_kvcache_4k")
 _DT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 _COLORS = {"limit": "black", "ort_attention_past": "tab:orange", "ort_gqa_shared": "tab:green",
            "ort_tensor_scatter": "tab:red", "ep_attention_past": "tab:purple", "ep_kvcache": "tab:blue",
-           "ep_kvcache_block": "tab:cyan"}
+           "ep_kvcache_block": "tab:cyan", "ep_kvcache_4k": "tab:gray"}
 
 
 def _cell(entry: Optional[Dict]) -> str:
