@@ -8,7 +8,6 @@ names) into what ``_core`` takes and back.
 
 from __future__ import annotations
 
-import sys
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import ml_dtypes
@@ -16,6 +15,7 @@ import numpy as np
 
 from . import _core
 from ._args import as_int, as_int64_vector
+from ._handle import NativeHandle
 from .pool import KVCheckpoint, KVPool
 
 __all__ = ["KVCache", "DEFAULT_PAGE_TOKENS"]
@@ -57,7 +57,7 @@ DEFAULT_PAGE_TOKENS = 128
 """Positions per page when neither the cache nor its pool names one (chosen by measurement)."""
 
 
-class KVCache:
+class KVCache(NativeHandle):
     """Persistent K/V cache for one request group of one decoder model.
 
     One cache holds ``num_layers`` attention layers for ``batch_size``
@@ -117,6 +117,8 @@ class KVCache:
     """
 
     __slots__ = ("_h", "_info", "_pool", "__weakref__")
+    _kind = "KVCache"
+    _copy_hint = "; use fork()"
 
     def __init__(
         self,
@@ -367,12 +369,6 @@ class KVCache:
 
     # -- handle and geometry ----------------------------------------------
 
-    def _live(self, where: str) -> int:
-        h = self._h
-        if h is None:
-            raise ValueError(f"{where}: the cache is closed; expected an open KVCache")
-        return h
-
     @property
     def handle(self) -> np.ndarray:
         """int64 array of shape ``[1]``: the value to feed as the model's ``kv_cache`` input.
@@ -381,11 +377,6 @@ class KVCache:
         A new array each time. Raises ``ValueError`` once closed.
         """
         return np.array([self._live("KVCache.handle")], dtype=np.int64)
-
-    @property
-    def closed(self) -> bool:
-        """True once :meth:`close` has run."""
-        return self._h is None
 
     @property
     def num_layers(self) -> int:
@@ -628,34 +619,10 @@ class KVCache:
             value = value.view(ml_dtypes.bfloat16)
         return key, value
 
-    # -- lifetime ---------------------------------------------------------
+    # -- lifetime (NativeHandle: close, context manager, no pickling) ------
 
-    def close(self) -> None:
-        """Release the handle and its memory. Idempotent; later use raises ``ValueError``."""
-        h, self._h = self._h, None
-        if h is not None:
-            try:
-                _core.release(h)
-            except ValueError:
-                pass  # already gone: the state close() wants
-
-    def __enter__(self) -> "KVCache":
-        self._live("KVCache.__enter__")
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        if getattr(self, "_h", None) is None or sys is None or sys.is_finalizing():
-            return
-        try:
-            self.close()
-        except Exception:
-            pass
-
-    def __reduce__(self):
-        raise TypeError("KVCache cannot be pickled or copied: it owns a process-local handle; use fork()")
+    def _release(self, handle: int) -> None:
+        _core.release(handle)
 
     def __repr__(self) -> str:
         if self._h is None:

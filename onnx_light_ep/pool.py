@@ -5,18 +5,18 @@ native arena in ``onnx_light_ep._core``.
 
 from __future__ import annotations
 
-import sys
 from typing import Any, Dict, Optional
 
 import numpy as np
 
 from . import _core
 from ._args import as_int
+from ._handle import NativeHandle
 
 __all__ = ["KVPool", "KVCheckpoint"]
 
 
-class KVPool:
+class KVPool(NativeHandle):
     """A page pool: the memory budget and page supply of one or more caches.
 
     Pages are ``page_tokens`` positions of one (layer, sequence, kv head) of a
@@ -43,6 +43,7 @@ class KVPool:
     """
 
     __slots__ = ("_h", "_page_tokens", "_limit", "__weakref__")
+    _kind = "KVPool"
 
     def __init__(self, memory_limit_bytes: Optional[int] = None, *, page_tokens: Optional[int] = None) -> None:
         self._h: Optional[int] = None
@@ -61,11 +62,6 @@ class KVPool:
         self._limit = limit
         self._h = int(_core.pool_create(limit))
 
-    def _live(self, where: str) -> int:
-        if self._h is None:
-            raise ValueError(f"{where}: the pool is closed; expected an open KVPool")
-        return self._h
-
     @property
     def handle(self) -> int:
         """The pool's opaque id (int), never a pointer."""
@@ -80,10 +76,6 @@ class KVPool:
     def memory_limit_bytes(self) -> Optional[int]:
         """Budget of page bytes in use, or None for no limit."""
         return self._limit or None
-
-    @property
-    def closed(self) -> bool:
-        return self._h is None
 
     def stats(self) -> Dict[str, int]:
         """Pool figures, a dict of int (bytes unless ``num_``).
@@ -106,23 +98,8 @@ class KVPool:
         _core.pool_release(self._h)
         self._h = None
 
-    def __enter__(self) -> "KVPool":
-        self._live("KVPool.__enter__")
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        if getattr(self, "_h", None) is None or sys is None or sys.is_finalizing():
-            return
-        try:
-            self.close()
-        except Exception:
-            pass  # still in use: the native pool lives on with its caches
-
-    def __reduce__(self):
-        raise TypeError("KVPool cannot be pickled or copied: it owns a process-local handle")
+    def _release(self, handle: int) -> None:
+        _core.pool_release(handle)
 
     def __repr__(self) -> str:
         if self._h is None:
@@ -132,7 +109,7 @@ class KVPool:
                 f"live_bytes={s['live_bytes']}, num_caches={s['num_caches']})")
 
 
-class KVCheckpoint:
+class KVCheckpoint(NativeHandle):
     """A retained snapshot of a cache's page tables and lengths (``KVCache.checkpoint()``).
 
     Taking one copies no rows: it pins the pages the cache holds (they count in
@@ -143,18 +120,10 @@ class KVCheckpoint:
     """
 
     __slots__ = ("_h", "__weakref__")
+    _kind = "KVCheckpoint"
 
     def __init__(self, handle: int) -> None:
         self._h: Optional[int] = int(handle)
-
-    def _live(self, where: str) -> int:
-        if self._h is None:
-            raise ValueError(f"{where}: the checkpoint is closed; expected an open KVCheckpoint")
-        return self._h
-
-    @property
-    def closed(self) -> bool:
-        return self._h is None
 
     @property
     def seq_lens(self) -> np.ndarray:
@@ -166,32 +135,8 @@ class KVCheckpoint:
         """Pages the checkpoint pins."""
         return int(_core.checkpoint_info(self._live("KVCheckpoint.num_pages"))["num_pages"])
 
-    def close(self) -> None:
-        """Unpin the pages. Idempotent."""
-        h, self._h = self._h, None
-        if h is not None:
-            try:
-                _core.release_checkpoint(h)
-            except ValueError:
-                pass
-
-    def __enter__(self) -> "KVCheckpoint":
-        self._live("KVCheckpoint.__enter__")
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        if getattr(self, "_h", None) is None or sys is None or sys.is_finalizing():
-            return
-        try:
-            self.close()
-        except Exception:
-            pass
-
-    def __reduce__(self):
-        raise TypeError("KVCheckpoint cannot be pickled or copied: it owns a process-local handle")
+    def _release(self, handle: int) -> None:
+        _core.release_checkpoint(handle)
 
     def __repr__(self) -> str:
         if self._h is None:

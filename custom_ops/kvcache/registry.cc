@@ -25,6 +25,24 @@ Registry::Registry() {
 }
 
 template <class T>
+int64_t Registry::add(std::unordered_map<int64_t, std::shared_ptr<T>>& m, std::shared_ptr<T> v) {
+  std::lock_guard<std::mutex> lk(mu_);
+  const int64_t h = next_++;
+  m.emplace(h, std::move(v));
+  return h;
+}
+
+template <class T>
+void Registry::take(std::unordered_map<int64_t, std::shared_ptr<T>>& m, int64_t h, const char* kind) {
+  std::shared_ptr<T> keep;  // declared first: destroyed after the lock is released
+  std::lock_guard<std::mutex> lk(mu_);
+  auto it = m.find(h);
+  if (it == m.end()) unknown(kind, h);
+  keep = std::move(it->second);
+  m.erase(it);
+}
+
+template <class T>
 std::shared_ptr<T> Registry::get(const std::unordered_map<int64_t, std::shared_ptr<T>>& m, int64_t h,
                                  const char* kind) const {
   std::lock_guard<std::mutex> lk(mu_);
@@ -33,30 +51,13 @@ std::shared_ptr<T> Registry::get(const std::unordered_map<int64_t, std::shared_p
   return it->second;
 }
 
-int64_t Registry::add_cache(std::shared_ptr<KVCache> c) {
-  std::lock_guard<std::mutex> lk(mu_);
-  const int64_t h = next_++;
-  caches_.emplace(h, std::move(c));
-  return h;
-}
+int64_t Registry::add_cache(std::shared_ptr<KVCache> c) { return add(caches_, std::move(c)); }
 
 std::shared_ptr<KVCache> Registry::cache(int64_t h) const { return get(caches_, h, "KVCache"); }
 
-void Registry::release_cache(int64_t h) {
-  std::shared_ptr<KVCache> keep;  // destroyed outside the registry lock
-  std::lock_guard<std::mutex> lk(mu_);
-  auto it = caches_.find(h);
-  if (it == caches_.end()) unknown("KVCache", h);
-  keep = std::move(it->second);
-  caches_.erase(it);
-}
+void Registry::release_cache(int64_t h) { take(caches_, h, "KVCache"); }
 
-int64_t Registry::add_pool(std::shared_ptr<PagePool> p) {
-  std::lock_guard<std::mutex> lk(mu_);
-  const int64_t h = next_++;
-  pools_.emplace(h, std::move(p));
-  return h;
-}
+int64_t Registry::add_pool(std::shared_ptr<PagePool> p) { return add(pools_, std::move(p)); }
 
 std::shared_ptr<PagePool> Registry::pool(int64_t h) const { return get(pools_, h, "KVPool"); }
 
@@ -71,23 +72,11 @@ void Registry::release_pool(int64_t h) {
   pools_.erase(it);
 }
 
-int64_t Registry::add_checkpoint(std::shared_ptr<Checkpoint> cp) {
-  std::lock_guard<std::mutex> lk(mu_);
-  const int64_t h = next_++;
-  checkpoints_.emplace(h, std::move(cp));
-  return h;
-}
+int64_t Registry::add_checkpoint(std::shared_ptr<Checkpoint> cp) { return add(checkpoints_, std::move(cp)); }
 
 std::shared_ptr<Checkpoint> Registry::checkpoint(int64_t h) const { return get(checkpoints_, h, "KVCheckpoint"); }
 
-void Registry::release_checkpoint(int64_t h) {
-  std::shared_ptr<Checkpoint> keep;
-  std::lock_guard<std::mutex> lk(mu_);
-  auto it = checkpoints_.find(h);
-  if (it == checkpoints_.end()) unknown("KVCheckpoint", h);
-  keep = std::move(it->second);
-  checkpoints_.erase(it);
-}
+void Registry::release_checkpoint(int64_t h) { take(checkpoints_, h, "KVCheckpoint"); }
 
 bool Registry::is_live(int64_t h) const {
   std::lock_guard<std::mutex> lk(mu_);

@@ -39,6 +39,10 @@ class Registry {
  private:
   Registry();
   template <class T>
+  int64_t add(std::unordered_map<int64_t, std::shared_ptr<T>>& m, std::shared_ptr<T> v);
+  template <class T>
+  void take(std::unordered_map<int64_t, std::shared_ptr<T>>& m, int64_t h, const char* kind);
+  template <class T>
   std::shared_ptr<T> get(const std::unordered_map<int64_t, std::shared_ptr<T>>& m, int64_t h, const char* kind) const;
   mutable std::mutex mu_;
   int64_t next_;
