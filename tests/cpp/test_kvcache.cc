@@ -107,7 +107,7 @@ void test_ragged_and_limits() {
     EXPECT_THROW(c->begin_layer_append(0, 4, {4, 4}, false), std::invalid_argument, "max_sequence_length is 8");
     EXPECT_THROW(c->begin_layer_append(0, 2, {3, 1}, false), std::invalid_argument, "must be in [0, 2]");
     EXPECT_THROW(c->begin_layer_append(2, 1, {1, 1}, false), std::invalid_argument, "layer must be in [0, num_layers=2)");
-    EXPECT_THROW(c->begin_layer_append(1, 1, {1, 1}, false), std::invalid_argument, "appends before layer 0");
+    EXPECT_THROW(c->begin_layer_append(1, 1, {1, 1}, false), std::invalid_argument, "or layer 0 is missing");
     EXPECT_THROW(c->begin_layer_append(0, 1, {1, 1, 1}, false), std::invalid_argument, "batch_size is 2");
   }
   CHECK((c->seq_lens() == std::vector<int64_t>{5, 3}));
