@@ -253,6 +253,11 @@ PYBIND11_MODULE(_core, m) {
     const auto v = to_vec(lengths, "KVCache.truncate: lengths");
     call("KVCache.truncate", [&] { c->truncate(v); return 0; });
   });
+  m.def("rollback", [](int64_t h, const IntArray& num_tokens) {
+    auto c = cache(h, "KVCache.rollback");
+    const auto v = to_vec(num_tokens, "KVCache.rollback: num_tokens");
+    call("KVCache.rollback", [&] { c->rollback(v); return 0; });
+  });
   m.def("reorder", [](int64_t h, const IntArray& indices) {
     auto c = cache(h, "KVCache.reorder");
     const auto v = to_vec(indices, "KVCache.reorder: indices");

@@ -211,16 +211,17 @@ def _guarded(run):
     def method(self, *args, **kwargs):
         _core.run_begin(True)
         ok = False
+        diagnoses = []
         try:
             result = run(self, *args, **kwargs)
             ok = True
         except Exception as e:
-            _core.run_end(False)
             translated = _translate(e)
             if translated is not None:
                 raise translated from e
             raise
-        diagnoses = _core.run_end(ok)
+        finally:  # also for KeyboardInterrupt and other BaseExceptions: the run always ends here
+            diagnoses = _core.run_end(ok)
         if diagnoses:
             raise ValueError("InferenceSession.run: " + "; ".join(diagnoses))
         return result

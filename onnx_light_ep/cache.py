@@ -369,6 +369,10 @@ class KVCache(NativeHandle):
 
     # -- handle and geometry ----------------------------------------------
 
+    def _geom(self, key: str):
+        self._live(f"KVCache.{key}")
+        return self._info[key]
+
     @property
     def handle(self) -> np.ndarray:
         """int64 array of shape ``[1]``: the value to feed as the model's ``kv_cache`` input.
@@ -381,59 +385,59 @@ class KVCache(NativeHandle):
     @property
     def num_layers(self) -> int:
         """Attention layers held (int)."""
-        return int(self._info["num_layers"])
+        return int(self._geom("num_layers"))
 
     @property
     def batch_size(self) -> int:
         """Sequences in the request group, ``B`` (int)."""
-        return int(self._info["batch_size"])
+        return int(self._geom("batch_size"))
 
     @property
     def kv_num_heads(self) -> int:
         """Key/value heads per layer, ``Hkv`` (int)."""
-        return int(self._info["kv_num_heads"])
+        return int(self._geom("kv_num_heads"))
 
     @property
     def head_dim(self) -> int:
         """Key head size ``D``, in elements (int)."""
-        return int(self._info["head_dim"])
+        return int(self._geom("head_dim"))
 
     @property
     def v_head_dim(self) -> int:
         """Value head size ``Dv``, in elements (int)."""
-        return int(self._info["v_head_dim"])
+        return int(self._geom("v_head_dim"))
 
     @property
     def dtype(self) -> str:
         """Element type: ``"float32"``, ``"float16"`` or ``"bfloat16"``."""
-        return str(self._info["dtype"])
+        return str(self._geom("dtype"))
 
     @property
     def max_sequence_length(self) -> int:
         """Capacity in tokens per sequence (int)."""
-        return int(self._info["max_sequence_length"])
+        return int(self._geom("max_sequence_length"))
 
     @property
     def memory_limit_bytes(self) -> Optional[int]:
         """Cap on committed K/V bytes, or ``None`` for no limit."""
-        limit = int(self._info["memory_limit_bytes"])
+        limit = int(self._geom("memory_limit_bytes"))
         return None if limit == 0 else limit
 
     @property
     def page_tokens(self) -> int:
         """Positions per page (int)."""
-        return int(self._info["page_tokens"])
+        return int(self._geom("page_tokens"))
 
     @property
     def sliding_window(self) -> Optional[List[Optional[int]]]:
         """Per-layer eviction window (None entries: that layer keeps everything), or None."""
-        w = list(self._info["sliding_window"])
+        w = list(self._geom("sliding_window"))
         return [int(x) if x > 0 else None for x in w] if w else None
 
     @property
     def rollback_tokens(self) -> int:
         """Positions sliding-window layers keep beyond the window, for truncate (int)."""
-        return int(self._info["rollback_tokens"])
+        return int(self._geom("rollback_tokens"))
 
     @property
     def pool(self) -> Optional[KVPool]:
@@ -504,18 +508,12 @@ class KVCache(NativeHandle):
                 more than a sequence holds is a ``ValueError`` (never clamped).
         """
         where = "KVCache.rollback"
-        lens = self.seq_lens
+        h = self._live(where)
         if np.ndim(num_tokens) == 0:
             n = np.full(self.batch_size, as_int(num_tokens, where, "num_tokens"), dtype=np.int64)
         else:
             n = as_int64_vector(num_tokens, where, "num_tokens")
-        if n.shape != lens.shape:
-            raise ValueError(f"{where}: num_tokens must have batch_size={self.batch_size} entries, got {n.size}")
-        for b in range(lens.size):
-            if n[b] < 0 or n[b] > lens[b]:
-                raise ValueError(f"{where}: num_tokens[{b}] must be in [0, {int(lens[b])}] (seq_lens[{b}]), "
-                                 f"got {int(n[b])}")
-        self.truncate(lens - n)
+        _core.rollback(h, n)  # one native call: atomic against concurrent runs
 
     def fork(self, indices: Optional[Union[Sequence[int], np.ndarray]] = None) -> "KVCache":
         """A new cache in the same pool whose sequence ``i`` shares sequence ``indices[i]``'s pages.
@@ -558,7 +556,7 @@ class KVCache(NativeHandle):
 
     def checkpoint(self) -> KVCheckpoint:
         """A :class:`KVCheckpoint` of the current content (pages pinned, nothing copied)."""
-        return KVCheckpoint(_core.checkpoint(self._live("KVCache.checkpoint")))
+        return KVCheckpoint(_core.checkpoint(self._live("KVCache.checkpoint")), self._pool)
 
     def restore(self, checkpoint: KVCheckpoint) -> None:
         """Make the content and ``seq_lens`` exactly those of ``checkpoint``.

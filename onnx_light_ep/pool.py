@@ -56,8 +56,8 @@ class KVPool(NativeHandle):
                 raise ValueError(f"{where}: memory_limit_bytes must be >= 1 or None (no limit), got {limit}")
         if page_tokens is not None:
             page_tokens = as_int(page_tokens, where, "page_tokens")
-            if page_tokens < 32 or page_tokens % 32 != 0:
-                raise ValueError(f"{where}: page_tokens must be a positive multiple of 32, got {page_tokens}")
+            if page_tokens < 32 or page_tokens % 32 != 0 or page_tokens > 65536:
+                raise ValueError(f"{where}: page_tokens must be a multiple of 32 in [32, 65536], got {page_tokens}")
         self._page_tokens = page_tokens
         self._limit = limit
         self._h = int(_core.pool_create(limit))
@@ -119,11 +119,12 @@ class KVCheckpoint(NativeHandle):
     :meth:`close` or a ``with`` block; a closed checkpoint cannot be restored.
     """
 
-    __slots__ = ("_h", "__weakref__")
+    __slots__ = ("_h", "_pool", "__weakref__")
     _kind = "KVCheckpoint"
 
-    def __init__(self, handle: int) -> None:
+    def __init__(self, handle: int, pool: Optional[KVPool] = None) -> None:
         self._h: Optional[int] = int(handle)
+        self._pool = pool  # keeps the KVPool object (and so its handle) alive while the pages are pinned
 
     @property
     def seq_lens(self) -> np.ndarray:

@@ -78,15 +78,18 @@ OrtStatus* CacheExportKernel::compute(OrtKernelContext* ctx) const {
 }
 
 OrtStatus* CacheCommitKernel::compute(OrtKernelContext* ctx) const {
-  Tensor cache;
+  std::vector<Tensor> caches(cache_in.size());
   try {
-    if (!input(ctx, cache_in, &cache)) throw std::invalid_argument("CacheCommit: input 'cache' is required");
-    ops::cache_commit(cache, [&](int64_t batch) {
-      return static_cast<int64_t*>(alloc_output(ctx, static_cast<size_t>(out), {batch}));
+    for (size_t i = 0; i < cache_in.size(); ++i)
+      if (!input(ctx, cache_in[i], &caches[i]))
+        throw std::invalid_argument("CacheCommit: input " + std::to_string(i) + " (a cache) is required");
+    ops::cache_commit(caches, [&](int64_t n) {
+      return static_cast<int64_t*>(alloc_output(ctx, static_cast<size_t>(out), {n}));
     });
     return nullptr;
   } catch (const std::exception& e) {
-    if (cache.data) ops::note_failed_run(cache);
+    for (const Tensor& t : caches)
+      if (t.data) ops::note_failed_run(t);
     return to_status(e, node);
   }
 }

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include "ops/cache_attention.h"
 #include "provider/ort_api.h"
@@ -32,10 +33,11 @@ struct CacheExportKernel {
   OrtStatus* compute(OrtKernelContext* ctx) const;
 };
 
-/// CacheCommit(cache, after...) -> seq_lens.
+/// CacheCommit(cache, after...) -> seq_lens; attribute num_caches (default 1): the first
+/// num_caches inputs are caches, committed together.
 struct CacheCommitKernel {
   std::string node;
-  int cache_in = 0;
+  std::vector<int> cache_in = {0};  // context input index of each cache
   int out = 0;
   OrtStatus* compute(OrtKernelContext* ctx) const;
 };

@@ -283,8 +283,17 @@ struct OpDef : OrtCustomOp {
           a.commit_node = attr_int(info, "commit_node", 0);
           ops::validate(a);  // a bad model fails at session creation
           holder->attention.node = node;
+          a.node_id = reinterpret_cast<uintptr_t>(holder.get());
         } else if (d->kind == OpKind::kCacheCommit) {
           holder->committer.node = node;
+          const int64_t n = attr_int(info, "num_caches", 1);
+          size_t inputs = 0;
+          if (OrtStatus* st = api().KernelInfo_GetInputCount(info, &inputs)) return st;
+          if (n < 1 || static_cast<size_t>(n) > inputs)
+            throw std::invalid_argument("CacheCommit: attribute 'num_caches' must be in [1, inputs=" +
+                                        std::to_string(inputs) + "]; got " + std::to_string(n));
+          holder->committer.cache_in.clear();
+          for (int64_t i = 0; i < n; ++i) holder->committer.cache_in.push_back(static_cast<int>(i));
         } else {
           bool has_layer = false;
           holder->exporter.layer = attr_int(info, "layer", -1, &has_layer);

@@ -46,6 +46,7 @@ void check_cache_graph(const std::vector<const OrtNode*>& nodes, CacheGraphInfo*
     std::string error;
   };
   std::map<std::string, PerCache> caches;
+  int commit_nodes = 0;
   for (const OrtNode* n : nodes) {
     if (node_domain(n) != kDomain) continue;
     const std::string op = node_op_type(n), name = node_name(n);
@@ -59,9 +60,15 @@ void check_cache_graph(const std::vector<const OrtNode*>& nodes, CacheGraphInfo*
                   std::to_string(layer) + " (every layer index must appear once per cache input)";
       c.layers.emplace(layer, name);
     } else if (op == "CacheCommit") {
-      ++caches[input_name(n, 0)].commits;
+      ++commit_nodes;
+      const int64_t k = int_attr(n, "num_caches", 1);
+      for (int64_t i = 0; i < k; ++i) ++caches[input_name(n, static_cast<size_t>(i))].commits;
     }
   }
+  if (commit_nodes > 1 && info->error.empty())
+    info->error = "OnnxLightExecutionProvider: " + std::to_string(commit_nodes) + " CacheCommit nodes in one graph: "
+                  "a run has one commit point, its last node (name every cache in one CacheCommit with "
+                  "num_caches)";
   for (auto& kv : caches) {
     PerCache& c = kv.second;
     const std::string where = " on cache input " + quoted(kv.first);
@@ -118,6 +125,7 @@ NodeComputeInfo* compile_cache_node(const OrtNode* node, const OrtNode* fused_no
     ci->kernel.out = out[0];
     ci->kernel.node = name;
     ci->node = name;
+    a.node_id = reinterpret_cast<uintptr_t>(ci.get());
     return NodeComputeInfo::init(ci.release());
   }
   if (op == "CacheExport") {
@@ -133,10 +141,19 @@ NodeComputeInfo* compile_cache_node(const OrtNode* node, const OrtNode* fused_no
     return NodeComputeInfo::init(ci.release());
   }
   auto ci = std::make_unique<CacheComputeInfo<CacheCommitKernel>>();
-  int in[1], out[1];
-  map_by_name(ins, fins, in);
+  int64_t num_caches = 1;
+  node_attr_int(node, "num_caches", &num_caches);
+  if (num_caches < 1 || static_cast<size_t>(num_caches) > ins.size())
+    throw std::invalid_argument("CacheCommit: attribute 'num_caches' must be in [1, inputs=" +
+                                std::to_string(ins.size()) + "]; got " + std::to_string(num_caches));
+  ci->kernel.cache_in.clear();
+  for (int64_t i = 0; i < num_caches; ++i) {
+    int idx[1];
+    map_by_name(std::vector<std::string>{ins[static_cast<size_t>(i)]}, fins, idx);
+    ci->kernel.cache_in.push_back(idx[0]);
+  }
+  int out[1];
   map_by_name(outs, fouts, out);
-  ci->kernel.cache_in = in[0];
   ci->kernel.out = out[0];
   ci->kernel.node = name;
   ci->node = name;

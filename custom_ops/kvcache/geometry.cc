@@ -31,10 +31,11 @@ void CacheGeometry::validate() const {
   if (!sliding_window.empty() && static_cast<int64_t>(sliding_window.size()) != num_layers)
     throw std::invalid_argument("sliding_window must have num_layers=" + str(num_layers) + " entries; got " +
                                 str(static_cast<int64_t>(sliding_window.size())));
+  // A window wider than max_sequence_length is allowed: it never evicts.
   for (size_t l = 0; l < sliding_window.size(); ++l)
-    if (sliding_window[l] < 0 || sliding_window[l] > max_sequence_length)
+    if (sliding_window[l] < 0 || sliding_window[l] > (int64_t{1} << 24))
       throw std::invalid_argument("sliding_window[" + str(static_cast<int64_t>(l)) + "] must be 0 (none) or in [1, " +
-                                  "max_sequence_length=" + str(max_sequence_length) + "]; got " + str(sliding_window[l]));
+                                  "16777216]; got " + str(sliding_window[l]));
   in_range(rollback_tokens, 0, max_sequence_length, "rollback_tokens");
 }
 

@@ -49,13 +49,6 @@ struct CacheGeometry {
   int64_t value_offset() const { return page_tokens * head_dim * static_cast<int64_t>(elem_bytes()); }
   /// K+V bytes of one position over all kv heads of one layer.
   int64_t row_bytes() const { return kv_num_heads * (head_dim + v_head_dim) * static_cast<int64_t>(elem_bytes()); }
-  /// Same shape, limits and policies apart from batch_size and memory_limit_bytes (checkpoint restore).
-  bool same_layout(const CacheGeometry& o) const {
-    return num_layers == o.num_layers && kv_num_heads == o.kv_num_heads && head_dim == o.head_dim &&
-           v_head_dim == o.v_head_dim && dtype == o.dtype && page_tokens == o.page_tokens &&
-           max_sequence_length == o.max_sequence_length && sliding_window == o.sliding_window &&
-           rollback_tokens == o.rollback_tokens;
-  }
 };
 
 }  // namespace olep

@@ -88,13 +88,20 @@ CacheStats KVCache::stats_locked() const {
   if (!pages.empty()) pool_->refs(pages.data(), pages.size(), refs.data());
   for (size_t i = 0; i < pages.size(); ++i)
     if (refs[i] > 1) s.shared_bytes += pb;
-  std::unordered_set<const Page*> cp_only;
+  // Pages only this cache's checkpoints hold: not in its tables, and every reference the pool
+  // counts for them comes from those checkpoints (no other cache or checkpoint holds them).
+  std::unordered_map<const Page*, uint32_t> cp_refs;
   for (const auto& w : checkpoints_)
     if (auto cp = w.lock())
-      cp->content().holds.for_each([&](const Page* p, uint32_t) {
-        if (!content_.holds.count(p)) cp_only.insert(p);
+      cp->content().holds.for_each([&](const Page* p, uint32_t n) {
+        if (!content_.holds.count(p)) cp_refs[p] += n;
       });
-  s.checkpoint_bytes = static_cast<int64_t>(cp_only.size()) * pb;
+  std::vector<const Page*> cp_pages;
+  for (const auto& kv : cp_refs) cp_pages.push_back(kv.first);
+  std::vector<uint32_t> cp_pool_refs(cp_pages.size());
+  if (!cp_pages.empty()) pool_->refs(cp_pages.data(), cp_pages.size(), cp_pool_refs.data());
+  for (size_t i = 0; i < cp_pages.size(); ++i)
+    if (cp_pool_refs[i] == cp_refs[cp_pages[i]]) s.checkpoint_bytes += pb;
   s.page_table_bytes = static_cast<int64_t>(content_.tables.size() * sizeof(PageTable));
   for (const PageTable& t : content_.tables) s.page_table_bytes += static_cast<int64_t>(t.pages.size() * sizeof(Page*));
   s.fragmentation_bytes = s.committed_bytes - s.live_bytes;
@@ -163,6 +170,28 @@ void KVCache::reset() {
 void KVCache::truncate(const std::vector<int64_t>& lengths) {
   std::lock_guard<std::mutex> lk(mu_);
   drop_stale_step_locked();
+  truncate_locked(lengths);
+}
+
+void KVCache::rollback(const std::vector<int64_t>& num_tokens) {
+  std::lock_guard<std::mutex> lk(mu_);
+  drop_stale_step_locked();
+  const int64_t B = g_.batch_size;
+  if (static_cast<int64_t>(num_tokens.size()) != B)
+    throw std::invalid_argument("num_tokens must have batch_size=" + str(B) + " entries; got " +
+                                str(static_cast<int64_t>(num_tokens.size())));
+  std::vector<int64_t> lengths(static_cast<size_t>(B));
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t n = num_tokens[static_cast<size_t>(b)], len = content_.lens[static_cast<size_t>(b)];
+    if (n < 0 || n > len)
+      throw std::invalid_argument("num_tokens[" + str(b) + "] must be in [0, " + str(len) + "] (seq_lens[" +
+                                  str(b) + "]); got " + str(n));
+    lengths[static_cast<size_t>(b)] = len - n;
+  }
+  truncate_locked(lengths);
+}
+
+void KVCache::truncate_locked(const std::vector<int64_t>& lengths) {
   const int64_t B = g_.batch_size, H = g_.kv_num_heads, P = g_.page_tokens;
   if (static_cast<int64_t>(lengths.size()) != B)
     throw std::invalid_argument("lengths must have batch_size=" + str(B) + " entries; got " +
@@ -255,7 +284,10 @@ std::unique_ptr<KVCache> KVCache::fork(const std::vector<int64_t>& indices) {
     throw MemoryLimitError("cache memory_limit_bytes is " + str(g2.memory_limit_bytes) + ": the fork holds " +
                            str(next.holds.size() * g2.page_bytes()) + " bytes of shared pages");
   auto out = std::make_unique<KVCache>(g2, pool_);
+  const std::vector<Page*> copies = privatize_in_place_tails_locked(&next, indices);
+  rebuild_holds(&next);
   pool_->retain(all_table_pages(next));
+  pool_->release(copies);
   out->content_ = std::move(next);
   return out;
 }
@@ -351,8 +383,12 @@ std::shared_ptr<Checkpoint> KVCache::checkpoint() {
   CacheContent copy;
   copy.tables = content_.tables;
   copy.lens = content_.lens;
-  copy.holds = content_.holds;
+  std::vector<int64_t> identity(static_cast<size_t>(g_.batch_size));
+  for (int64_t b = 0; b < g_.batch_size; ++b) identity[static_cast<size_t>(b)] = b;
+  const std::vector<Page*> copies = privatize_in_place_tails_locked(&copy, identity);
+  rebuild_holds(&copy);
   pool_->retain(all_table_pages(copy));
+  pool_->release(copies);
   auto cp = std::make_shared<Checkpoint>(g_, pool_, std::move(copy));
   checkpoints_.erase(std::remove_if(checkpoints_.begin(), checkpoints_.end(),
                                     [](const std::weak_ptr<Checkpoint>& w) { return w.expired(); }),
@@ -380,9 +416,12 @@ void KVCache::restore(const Checkpoint& cp) {
   if (o.dtype != g_.dtype)
     throw std::invalid_argument(std::string("the checkpoint's dtype is ") + dtype_name(o.dtype) +
                                 " but the cache's is " + dtype_name(g_.dtype));
-  if (!g_.same_layout(o))
-    throw std::invalid_argument("the checkpoint's max_sequence_length, sliding_window or rollback_tokens differ "
-                                "from the cache's");
+  if (o.max_sequence_length != g_.max_sequence_length)
+    differs("max_sequence_length", g_.max_sequence_length, o.max_sequence_length);
+  if (o.rollback_tokens != g_.rollback_tokens) differs("rollback_tokens", g_.rollback_tokens, o.rollback_tokens);
+  for (int64_t l = 0; l < g_.num_layers; ++l)
+    if (o.window(l) != g_.window(l))
+      differs(("sliding_window[" + str(l) + "]").c_str(), g_.window(l), o.window(l));
   refuse_if_busy_locked("restore");
   const CacheContent& src = cp.content();
   if (g_.memory_limit_bytes > 0 && src.holds.size() * g_.page_bytes() > g_.memory_limit_bytes)
@@ -408,6 +447,29 @@ std::vector<uint32_t> KVCache::page_ids(int64_t layer, int64_t b, int64_t h) con
   for (int64_t blk = t.first_block; blk < t.end_block(g_.kv_num_heads); ++blk)
     out.push_back(t.at(blk, h, g_.kv_num_heads)->id);
   return out;
+}
+
+std::vector<Page*> KVCache::privatize_in_place_tails_locked(CacheContent* snap, const std::vector<int64_t>& src) {
+  std::vector<Page*> copies;
+  if (!step_) return copies;
+  const std::vector<StepTransaction::InPlaceTail> tails = step_->in_place_tails(content_);
+  if (tails.empty()) return copies;
+  pool_->allocate(g_.page_bytes(), static_cast<int64_t>(tails.size()), &copies);
+  const int64_t H = g_.kv_num_heads, P = g_.page_tokens, B2 = static_cast<int64_t>(src.size());
+  const size_t es = g_.elem_bytes();
+  const size_t krow = static_cast<size_t>(g_.head_dim) * es, vrow = static_cast<size_t>(g_.v_head_dim) * es;
+  for (size_t k = 0; k < tails.size(); ++k) {
+    const auto& t = tails[k];
+    const int64_t len = content_.lens[static_cast<size_t>(t.b)];
+    const int64_t blk = len / P, valid = len - blk * P;
+    Page* copy = copies[k];
+    std::memcpy(copy->data, t.page->data, static_cast<size_t>(valid) * krow);
+    std::memcpy(copy->data + g_.value_offset(), t.page->data + g_.value_offset(), static_cast<size_t>(valid) * vrow);
+    bytes_copied_ += valid * static_cast<int64_t>(krow + vrow);
+    for (int64_t i = 0; i < B2; ++i)
+      if (src[static_cast<size_t>(i)] == t.b) snap->table(t.layer, i, B2).at(blk, t.h, H) = copy;
+  }
+  return copies;
 }
 
 void KVCache::evict_locked() {

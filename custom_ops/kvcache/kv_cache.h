@@ -93,6 +93,9 @@ class KVCache : public std::enable_shared_from_this<KVCache> {
   /// lengths [batch]: 0 <= lengths[b] <= seq_lens[b], and on sliding-window layers either 0 or
   /// >= the earliest length its evicted positions allow (the message names it).
   void truncate(const std::vector<int64_t>& lengths);
+  /// truncate(seq_lens - num_tokens) under one lock: num_tokens [batch], each in [0, seq_lens[b]]
+  /// (std::invalid_argument otherwise: never clamped, never wraps).
+  void rollback(const std::vector<int64_t>& num_tokens);
   /// New sequence i = old sequence indices[i] (repeats allowed): a permutation of page tables,
   /// no rows copied.
   void reorder(const std::vector<int64_t>& indices);
@@ -129,8 +132,13 @@ class KVCache : public std::enable_shared_from_this<KVCache> {
   /// order or repeated, counts), BusyError (another run owns the cache), MemoryLimitError.
   /// commit_node: the graph commits with a CacheCommit node, not at its last layer.
   /// Returns the past length of every sequence.
+  /// node: an opaque id of the node appending (0 = unknown), see drop_stale_step_of_node.
   std::vector<int64_t> begin_layer_append(int64_t layer, int64_t sequence_length,
-                                          const std::vector<int64_t>& num_new, bool commit_node);
+                                          const std::vector<int64_t>& num_new, bool commit_node, uint64_t node = 0);
+  /// Plain CPU EP path (no run boundaries): the node `node` starts a run on this thread, so a step
+  /// it opened on this cache in an earlier run on this thread is stale: rolled back (its pages go
+  /// back to the pool at once). Locks; never throws.
+  void drop_stale_step_of_node(std::thread::id thread, uint64_t node) noexcept;
   /// Writes the new rows of `layer` (after begin_layer_append).
   void append_rows(int64_t layer, const NewRows& rows);
   /// Blocks of every (b, h) of `layer` holding positions [first_key[b], num_keys[b]) (first_key
@@ -140,9 +148,12 @@ class KVCache : public std::enable_shared_from_this<KVCache> {
   /// Marks `layer` done; at the last layer of a graph without a CacheCommit node the step is
   /// complete (and committed unless the run defers).
   void finish_layer_append(int64_t layer);
-  /// CacheCommit: completes the current run's step (every layer must have appended; else
-  /// std::invalid_argument "the model has fewer attention layers ..."). Returns the lengths
-  /// the step gives every sequence.
+  /// CacheCommit: throws (std::invalid_argument "the model has fewer attention layers ...",
+  /// BusyError) unless the current run's step is open with every layer appended; on a refusal
+  /// the step is rolled back.
+  void check_step_complete();
+  /// CacheCommit, after check_step_complete() on every cache of the node: completes the step
+  /// (commits it unless the run defers). Returns the lengths the step gives every sequence.
   std::vector<int64_t> complete_step();
   /// An op of the current run failed (so the run fails): rolls its open step back at once.
   void mark_step_failed();
@@ -167,6 +178,13 @@ class KVCache : public std::enable_shared_from_this<KVCache> {
   void drop_stale_step_locked() const noexcept;
   void commit_step_locked();
   void evict_locked();
+  void truncate_locked(const std::vector<int64_t>& lengths);
+  // A snapshot (fork, checkpoint) of the committed content taken while another run's step is
+  // open must not share the tail pages that step writes in place: `snap` (whose sequence i is
+  // the cache's sequence src[i]) gets private copies of their committed rows. Allocates (throws
+  // MemoryLimitError before any change); returns the copies, each holding one reference the
+  // caller drops once the snapshot's tables retain their pages.
+  std::vector<Page*> privatize_in_place_tails_locked(CacheContent* snap, const std::vector<int64_t>& src);
   CacheStats stats_locked() const;
   std::string describe_owner_locked() const;
   int64_t earliest_length_locked(int64_t b) const;

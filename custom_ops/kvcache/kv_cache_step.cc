@@ -14,7 +14,8 @@ std::string str(int64_t v) { return std::to_string(v); }
 }  // namespace
 
 std::vector<int64_t> KVCache::begin_layer_append(int64_t layer, int64_t sequence_length,
-                                                 const std::vector<int64_t>& num_new, bool commit_node) {
+                                                 const std::vector<int64_t>& num_new, bool commit_node,
+                                                 uint64_t node) {
   const RunToken me = run_scope::current();
   const int64_t B = g_.batch_size;
   if (layer < 0 || layer >= g_.num_layers)
@@ -51,7 +52,7 @@ std::vector<int64_t> KVCache::begin_layer_append(int64_t layer, int64_t sequence
     }
     if (interrupted_.thread == me.thread) interrupted_ = RunToken{};
     last_committed_by_ = std::thread::id();
-    StepTransaction st(g_, me, sequence_length, num_new, commit_node);
+    StepTransaction st(g_, me, sequence_length, num_new, commit_node, node);
     st.reserve(content_, *pool_);  // throws before any change
     step_.emplace(std::move(st));
     if (auto self = weak_from_this().lock()) run_scope::note(self);
@@ -122,7 +123,7 @@ void KVCache::finish_layer_append(int64_t layer) {
   else commit_step_locked();
 }
 
-std::vector<int64_t> KVCache::complete_step() {
+void KVCache::check_step_complete() {
   const RunToken me = run_scope::current();
   if (!step_ || step_->owner() != me) {
     if (interrupted_ == me && me.thread == interrupted_.thread) {
@@ -141,6 +142,10 @@ std::vector<int64_t> KVCache::complete_step() {
                                 "than the cache (create it with KVCache.for_model, or num_layers=" + str(k) +
                                 "); nothing was appended");
   }
+}
+
+std::vector<int64_t> KVCache::complete_step() {
+  check_step_complete();
   std::vector<int64_t> lens = content_.lens;
   for (size_t b = 0; b < lens.size(); ++b) lens[b] += step_->num_new()[b];
   if (run_scope::deferred()) step_->complete = true;
@@ -156,6 +161,13 @@ void KVCache::commit_step_locked() {
   ++num_appends_;
   step_.reset();
   evict_locked();
+}
+
+void KVCache::drop_stale_step_of_node(std::thread::id thread, uint64_t node) noexcept {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (step_ && !step_->owner().bounded() && step_->owner().thread == thread && node != 0 &&
+      step_->layer0_node() == node)
+    discard_step_locked();
 }
 
 void KVCache::mark_step_failed() {

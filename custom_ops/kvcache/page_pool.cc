@@ -176,8 +176,10 @@ void PagePool::allocate(int64_t page_bytes, int64_t n, std::vector<Page*>* out) 
     throw std::invalid_argument("page size must be a positive multiple of 64 bytes; got " + str(page_bytes));
   if (n < 0) throw std::invalid_argument("page count must be >= 0; got " + str(n));
   if (n == 0) return;
+  int64_t need = 0;
+  if (__builtin_mul_overflow(n, page_bytes, &need) || need > (int64_t{1} << 50))
+    throw MemoryLimitError(str(n) + " pages of " + str(page_bytes) + " bytes exceed any memory (1 PiB)");
   std::lock_guard<std::mutex> lk(mu_);
-  const int64_t need = n * page_bytes;
   if (limit_ > 0 && live_ + need > limit_)
     throw MemoryLimitError("pool memory_limit_bytes is " + str(limit_) + ": " + str(n) + " new pages need " +
                            str(need) + " bytes and " + str(live_) + " bytes are in use");

@@ -205,11 +205,16 @@ std::unique_ptr<KVCache> KVCache::load(const std::string& path, std::shared_ptr<
       throw std::invalid_argument(path + ": seq_lens[" + str(b) + "] = " + str(len) + " is out of range");
     for (int64_t l = 0; l < L; ++l) {
       const int64_t f = first[static_cast<size_t>(l * B + b)];
-      if (f < 0 || f % P != 0 || f > len || (f > 0 && (g.window(l) <= 0 || f >= len)))
+      if (f < 0 || f % P != 0 || f > len || (f > 0 && g.window(l) <= 0))
         throw std::invalid_argument(path + ": first position " + str(f) + " of layer " + str(l) + ", sequence " +
                                     str(b) + " is inconsistent with its length and window");
+      // Bounded: len <= 2^24, H and head sizes <= 4096 (validated), so one term fits; the sums
+      // stop as soon as they pass the file's size (a crafted header cannot overflow them).
       payload += (len - f) * H * static_cast<int64_t>(krow + vrow);
       pages += ((len + P - 1) / P - f / P) * H;
+      if (payload > file_size)
+        throw std::invalid_argument(path + ": the header describes more rows than the file's " + str(file_size) +
+                                    " bytes hold (truncated or not a complete KVCache file)");
     }
   }
   const int64_t expect = static_cast<int64_t>(header) + payload + 8;

@@ -66,9 +66,13 @@ void Registry::release_pool(int64_t h) {
   auto it = pools_.find(h);
   if (it == pools_.end()) unknown("KVPool", h);
   const PoolStats s = it->second->stats();
-  if (s.num_caches > 0 || s.num_checkpoints > 0)
+  // Caches and checkpoints hold the pool; so does a cache being created in it right now (it took
+  // the pointer from this registry, under this lock, before registering itself with the pool).
+  if (s.num_caches > 0 || s.num_checkpoints > 0 || it->second.use_count() > 1)
     throw std::invalid_argument("the pool is in use by " + std::to_string(s.num_caches) + " cache(s) and " +
-                                std::to_string(s.num_checkpoints) + " checkpoint(s); close them first");
+                                std::to_string(s.num_checkpoints) + " checkpoint(s)" +
+                                (s.num_caches + s.num_checkpoints == 0 ? " (one is being created)" : "") +
+                                "; close them first");
   pools_.erase(it);
 }
 
@@ -77,6 +81,17 @@ int64_t Registry::add_checkpoint(std::shared_ptr<Checkpoint> cp) { return add(ch
 std::shared_ptr<Checkpoint> Registry::checkpoint(int64_t h) const { return get(checkpoints_, h, "KVCheckpoint"); }
 
 void Registry::release_checkpoint(int64_t h) { take(checkpoints_, h, "KVCheckpoint"); }
+
+void Registry::drop_stale_steps_of_node(std::thread::id thread, uint64_t node, const KVCache* except) const {
+  std::vector<std::shared_ptr<KVCache>> all;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    all.reserve(caches_.size());
+    for (const auto& kv : caches_)
+      if (kv.second.get() != except) all.push_back(kv.second);
+  }
+  for (const auto& c : all) c->drop_stale_step_of_node(thread, node);
+}
 
 bool Registry::is_live(int64_t h) const {
   std::lock_guard<std::mutex> lk(mu_);

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <thread>
 #include <unordered_map>
 
 #include "kvcache/kv_cache.h"
@@ -34,6 +35,9 @@ class Registry {
   void release_checkpoint(int64_t handle);
 
   bool is_live(int64_t handle) const;
+  /// KVCache::drop_stale_step_of_node on every live cache but `except` (the plain CPU EP path,
+  /// at layer 0 of a run). Takes each cache's lock in turn; call holding none.
+  void drop_stale_steps_of_node(std::thread::id thread, uint64_t node, const KVCache* except) const;
   int64_t num_live_caches() const;
 
  private:

@@ -17,8 +17,9 @@ constexpr int64_t kNoBlock = std::numeric_limits<int64_t>::max();
 }  // namespace
 
 StepTransaction::StepTransaction(const CacheGeometry& g, RunToken owner, int64_t sequence_length,
-                                 std::vector<int64_t> num_new, bool commit_node)
-    : g_(g), owner_(owner), seq_(sequence_length), num_new_(std::move(num_new)), commit_node_(commit_node) {}
+                                 std::vector<int64_t> num_new, bool commit_node, uint64_t layer0_node)
+    : g_(g), owner_(owner), seq_(sequence_length), num_new_(std::move(num_new)), commit_node_(commit_node),
+      layer0_node_(layer0_node) {}
 
 int64_t StepTransaction::appended_bytes() const {
   int64_t rows = 0;
@@ -162,6 +163,20 @@ void StepTransaction::blocks(int64_t layer, int64_t b, int64_t h, const CacheCon
   } else {
     append_blocks(g_, t.first_block, key_begin, key_end, [&](int64_t blk) { return t.at(blk, h, H); }, out);
   }
+}
+
+std::vector<StepTransaction::InPlaceTail> StepTransaction::in_place_tails(const CacheContent& c) const {
+  std::vector<InPlaceTail> out;
+  const int64_t B = g_.batch_size, H = g_.kv_num_heads;
+  for (int64_t l = 0; l < g_.num_layers && !pending_.empty(); ++l)
+    for (int64_t b = 0; b < B; ++b) {
+      const Pending& p = pending_[static_cast<size_t>(l * B + b)];
+      if (p.tail_block < 0) continue;
+      for (int64_t h = 0; h < H; ++h)
+        if (p.tail_copy.empty() || !p.tail_copy[static_cast<size_t>(h)])
+          out.push_back({l, b, h, c.table(l, b, B).at(p.tail_block, h, H)});
+    }
+  return out;
 }
 
 void StepTransaction::commit(CacheContent& c, PagePool& pool) {

@@ -79,7 +79,7 @@ void append_blocks(const CacheGeometry& g, int64_t first_block, int64_t key_begi
 class StepTransaction {
  public:
   StepTransaction(const CacheGeometry& g, RunToken owner, int64_t sequence_length, std::vector<int64_t> num_new,
-                  bool commit_node);
+                  bool commit_node, uint64_t layer0_node = 0);
 
   /// Allocates every page of the step. `held_bytes` = what the cache holds now, checked with the
   /// new pages against g.memory_limit_bytes (MemoryLimitError), then the pool budget. Throws
@@ -97,6 +97,13 @@ class StepTransaction {
   /// Releases the reservation.
   void rollback(PagePool& pool) noexcept;
 
+  /// A tail page the step writes into in place (it decided at layer 0 that the table alone holds it).
+  struct InPlaceTail {
+    int64_t layer, b, h;
+    Page* page;
+  };
+  std::vector<InPlaceTail> in_place_tails(const CacheContent& c) const;
+
   const RunToken& owner() const { return owner_; }
   int64_t sequence_length() const { return seq_; }
   const std::vector<int64_t>& num_new() const { return num_new_; }
@@ -104,6 +111,7 @@ class StepTransaction {
   bool appended(int64_t layer) const { return layer < next_layer_; }
   bool all_layers() const { return next_layer_ == g_.num_layers; }
   bool commit_node() const { return commit_node_; }
+  uint64_t layer0_node() const { return layer0_node_; }  // opaque id of the node that opened it
   bool complete = false;  // every layer appended and the run's commit point reached (deferred runs)
   int64_t reserved_bytes() const { return static_cast<int64_t>(reserved_.size()) * g_.page_bytes(); }
   int64_t copied_bytes() const { return copied_; }
@@ -123,6 +131,7 @@ class StepTransaction {
   int64_t seq_;
   std::vector<int64_t> num_new_;
   bool commit_node_;
+  uint64_t layer0_node_;
   int64_t next_layer_ = 0;
   std::vector<Pending> pending_;  // [layer * batch + b]
   std::vector<Page*> reserved_;   // every page allocated by reserve()

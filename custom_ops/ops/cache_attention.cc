@@ -58,6 +58,8 @@ void cache_attention(const CacheAttentionAttrs& a, const Tensor& query, const Te
                      const Tensor& cache_t, const Tensor* mask, const Tensor* seqlens_k, void* y,
                      const ParallelFor& parallel_for) {
   std::shared_ptr<KVCache> cache = cache_of(cache_t, "CacheAttention");
+  if (a.layer == 0 && a.node_id != 0 && !run_scope::current().bounded())
+    Registry::instance().drop_stale_steps_of_node(std::this_thread::get_id(), a.node_id, cache.get());
   try {
     cache_attention_impl(a, query, key, value, cache, mask, seqlens_k, y, parallel_for);
   } catch (...) {
@@ -141,7 +143,7 @@ void cache_attention_impl(const CacheAttentionAttrs& a, const Tensor& query, con
 
   // Nothing has been written yet; from here on the run's step changes (invisible until it commits).
   try {
-    cache->begin_layer_append(a.layer, d.seq, num_new, a.commit_node != 0);
+    cache->begin_layer_append(a.layer, d.seq, num_new, a.commit_node != 0, a.node_id);
   } catch (...) {
     rethrow_with_prefix("CacheAttention: input 'cache': ");
   }
@@ -204,13 +206,31 @@ void cache_export(int64_t layer, const Tensor& cache_t, const ExportOutputs& all
   });
 }
 
-void cache_commit(const Tensor& cache_t, const std::function<int64_t*(int64_t batch)>& alloc) {
-  std::shared_ptr<KVCache> cache = cache_of(cache_t, "CacheCommit");
-  std::vector<int64_t> lens;
-  {
-    auto lock = cache->lock();
+void cache_commit(const std::vector<Tensor>& caches_t, const std::function<int64_t*(int64_t n)>& alloc) {
+  std::vector<std::shared_ptr<KVCache>> caches;
+  for (const Tensor& t : caches_t) {
+    caches.push_back(cache_of(t, "CacheCommit"));
+    for (size_t i = 0; i + 1 < caches.size(); ++i)
+      if (caches[i] == caches.back())
+        throw std::invalid_argument("CacheCommit: input " + str(static_cast<int64_t>(caches.size()) - 1) +
+                                    " names the same cache as input " + str(static_cast<int64_t>(i)));
+  }
+  // Check every cache before committing any, so a refusal commits none of them. (One lock at a
+  // time: the steps belong to this run, which other runs and methods leave alone meanwhile.)
+  for (auto& c : caches) {
+    auto lock = c->lock();
     try {
-      lens = cache->complete_step();
+      c->check_step_complete();
+    } catch (...) {
+      rethrow_with_prefix("CacheCommit: input 'cache': ");
+    }
+  }
+  std::vector<int64_t> lens;
+  for (auto& c : caches) {
+    auto lock = c->lock();
+    try {
+      const std::vector<int64_t> l = c->complete_step();
+      lens.insert(lens.end(), l.begin(), l.end());
     } catch (...) {
       rethrow_with_prefix("CacheCommit: input 'cache': ");
     }

@@ -30,6 +30,10 @@ struct CacheAttentionAttrs {
   /// at session creation (0 = unknown, the CPU EP path). A cache whose num_layers differs fails
   /// the run before anything is written.
   int64_t graph_layers = 0;
+  /// Not an attribute: an opaque id of the node (its kernel), 0 = unknown. On the plain CPU EP
+  /// path, layer 0 of a node rolls back a step the same node left open on another cache in an
+  /// earlier run on this thread (a failed run gives no other signal).
+  uint64_t node_id = 0;
 };
 
 /// Throws std::invalid_argument ("CacheAttention: attribute '<name>' ...") for bad values.
@@ -48,11 +52,12 @@ void cache_attention(const CacheAttentionAttrs& a, const Tensor& query, const Te
 /// outputs), so the short-model diagnosis does not count that run.
 void note_failed_run(const Tensor& cache) noexcept;
 
-/// CacheCommit: completes the current run's step on the cache named by `cache` (every layer
-/// must have appended in this run) and returns the lengths it gives each sequence (int64
-/// [batch]) through `alloc(batch)`. Throws std::invalid_argument for a model with fewer
-/// attention layers than the cache (certain: the node runs after every graph output).
-void cache_commit(const Tensor& cache, const std::function<int64_t*(int64_t batch)>& alloc);
+/// CacheCommit: completes the current run's step on each of `caches` (every layer must have
+/// appended in this run; all are checked before any commits) and writes the lengths the steps
+/// give their sequences, cache after cache (int64 [sum of batches]), through `alloc(n)`.
+/// Throws std::invalid_argument for a model with fewer attention layers than a cache (certain:
+/// the node runs after every graph output), or for a cache named twice.
+void cache_commit(const std::vector<Tensor>& caches, const std::function<int64_t*(int64_t n)>& alloc);
 
 /// CacheExport: layer `layer` as BNSH present_key [B, Hkv, L, D], present_value
 /// [B, Hkv, L, Dv], including this thread's pending rows of that layer.

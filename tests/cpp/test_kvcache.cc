@@ -41,8 +41,11 @@ void test_geometry_validation() {
   g.sliding_window = {4};
   EXPECT_THROW(KVCache(g, nullptr), std::invalid_argument, "sliding_window must have num_layers=2");
   g = geom();
-  g.sliding_window = {0, 17};
+  g.sliding_window = {0, -1};
   EXPECT_THROW(KVCache(g, nullptr), std::invalid_argument, "sliding_window[1]");
+  g = geom();
+  g.sliding_window = {0, 17};  // wider than max_sequence_length=16: allowed, never evicts
+  KVCache wide(g, nullptr);
   g = geom();
   g.rollback_tokens = -1;
   EXPECT_THROW(KVCache(g, nullptr), std::invalid_argument, "rollback_tokens");
@@ -215,6 +218,8 @@ void test_registry() {
   auto in_pool = make(geom(), pool);
   EXPECT_THROW(r.release_pool(ph), std::invalid_argument, "in use by 1 cache(s)");
   in_pool.reset();
+  EXPECT_THROW(r.release_pool(ph), std::invalid_argument, "in use");  // `pool` here still holds it
+  pool.reset();
   r.release_pool(ph);
   EXPECT_THROW(r.pool(ph), std::invalid_argument, "KVPool handle");
   EXPECT_THROW(r.checkpoint(ph), std::invalid_argument, "KVCheckpoint handle");

@@ -320,9 +320,87 @@ void test_concurrent_pool() {
   CHECK(pool->stats().num_pages == 0 && pool->stats().committed_bytes == 0);
 }
 
+// Review finding: a checkpoint or fork taken by another thread between two layers of a run must
+// not share the tail pages the run writes in place (the run decided at layer 0 that it alone
+// holds them): the snapshot gets private copies of their committed rows. In the Debug/ASan build
+// a missed case fails the write-path check ("copy-on-write missed").
+void test_snapshot_between_layers() {
+  auto pool = std::make_shared<PagePool>();
+  auto c = std::make_shared<KVCache>(geom(2, 2, 1, 4, 128, 32), pool);
+  step(*c, 5);
+  std::shared_ptr<Checkpoint> cp;
+  std::unique_ptr<KVCache> f;
+  run_scope::begin(false);  // a bounded run, as the EP's OnRunStart begins one
+  kvt::layer_step(*c, 0, 1, {}, {7, 8});
+  std::thread([&] {
+    cp = c->checkpoint();
+    f = c->fork({1, 1});
+  }).join();
+  kvt::layer_step(*c, 1, 1, {}, {7, 8});  // writes in place: the snapshots hold copies
+  run_scope::end(false);
+  Streams want = streams_of({6, 6});
+  want[0][5] = 7;
+  want[1][5] = 8;
+  check_content(*c, want);
+  check_content(*f, Streams{std::vector<int64_t>(5, 1), std::vector<int64_t>(5, 1)});
+  CHECK((f->seq_lens() == std::vector<int64_t>{5, 5}));
+  std::shared_ptr<KVCache> f2(std::move(f));
+  check_pool(*pool, {c.get(), f2.get()}, {cp.get()});
+  c->restore(*cp);
+  check_content(*c, streams_of({5, 5}));
+}
+
+// Review finding: a crafted file whose header sizes would overflow load()'s size arithmetic is a
+// clear error, never undefined behaviour (UBSan) or a huge allocation.
+void test_load_crafted_header() {
+  const int64_t L = 128, B = 64;
+  std::vector<int64_t> f = {L, B, 4096, 4096, 4096, int64_t{1} << 24, 0, 65536, 0};
+  for (int64_t l = 0; l < L; ++l) f.push_back(0);
+  for (int64_t b = 0; b < B; ++b) f.push_back(int64_t{1} << 24);
+  for (int64_t i = 0; i < L * B; ++i) f.push_back(0);
+  const char magic[8] = {'O', 'L', 'K', 'V', 'C', 'A', 'C', 'H'};
+  const uint32_t version = 1, header = static_cast<uint32_t>(16 + 8 * f.size());
+  const std::string path = "kvcache_test_crafted.bin";
+  std::FILE* fp = std::fopen(path.c_str(), "wb");
+  std::fwrite(magic, 1, 8, fp);
+  std::fwrite(&version, 4, 1, fp);
+  std::fwrite(&header, 4, 1, fp);
+  std::fwrite(f.data(), 8, f.size(), fp);
+  const uint64_t sum = 0;
+  std::fwrite(&sum, 8, 1, fp);
+  std::fclose(fp);
+  auto pool = std::make_shared<PagePool>();
+  EXPECT_THROW(KVCache::load(path, pool), std::invalid_argument, "more rows than the file");
+  CHECK(pool->stats().committed_bytes == 0);
+  std::remove(path.c_str());
+  std::vector<Page*> none;
+  EXPECT_THROW(pool->allocate(int64_t{1} << 31, int64_t{1} << 33, &none), MemoryLimitError, "exceed any memory");
+}
+
+// Review finding: sliding_window=1 truncated to its earliest length holds no page; save/load
+// round-trips it.
+void test_save_load_window1_empty_table() {
+  CacheGeometry g = geom(1, 1, 1, 4, 256, 32);
+  g.sliding_window = {1};
+  auto c = std::make_shared<KVCache>(g, nullptr);
+  step(*c, 100);
+  c->truncate({96});
+  CHECK(c->stats().num_pages == 0);
+  const std::string path = "kvcache_test_w1.bin";
+  c->save(path);
+  std::shared_ptr<KVCache> d(KVCache::load(path, nullptr));
+  CHECK(d->seq_lens() == c->seq_lens() && d->first_positions() == c->first_positions());
+  step(*d, 3);
+  check_content(*d, streams_of({99}));
+  std::remove(path.c_str());
+}
+
 }  // namespace
 
 int main() {
+  test_snapshot_between_layers();
+  test_load_crafted_header();
+  test_save_load_window1_empty_table();
   test_cow_fork_partly_filled_tail();
   test_reorder_histories();
   test_truncate_edges();
