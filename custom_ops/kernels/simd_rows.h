@@ -79,9 +79,9 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
   float* qf = scratch;              // [R, D], scaled by `scale` unless softcap is on
   float* ktile = qf + R * D;        // [W, D]
   float* vtile = ktile + W * D;     // [W, Dv]
-  float* ptile = vtile + W * Dv;    // [R, W]
-  float* corr = ptile + R * W;      // [R]
+  float* corr = vtile + W * Dv;     // [R]
   float* lsum = corr + R;           // [R, W] lane-wise sums of p, folded into st->l at the end
+  float* pchunk = lsum + R * W;     // [chunk tiles, R, W] scores, then probabilities
 
   const bool capped = a.softcap > 0.0f;
   // bfloat16 q . k by VDPBF16PS (levels that have it, head_dim a multiple of 2 * W, at least
@@ -136,179 +136,205 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
     return scores + pv;
   }();
 
-  for (TileCursor tc{a, kmin, kmax, W, es}; tc.next();) {
-    const int64_t j0 = tc.j0, n = tc.n;
-    const char* krows = tc.krows;
-    const char* vrows = tc.vrows;
-    // Software prefetch of the next tile, spread over this tile's loops, when several rows
-    // share the KV head: their compute is long enough that the hardware prefetchers alone
-    // leave DRAM idle for part of each tile (GQA 32/8 fp32: 1.8x -> 1.07x the read limit).
-    // One row (MHA) walks K sequentially and the hardware prefetchers keep up; software
-    // prefetch measured slower there.
-    pf.reset(nullptr, 0, nullptr, 0, 1);
-    if (row_count >= 2) pf.reset_next(tc, D * es, Dv * es, tile_steps);
-    const KE* kp;
-    const KE* vp;
-    if constexpr (kTiles) {
-      convert_rows<V>(a.dtype, krows, n, D, W, ktile);
-      convert_rows<V>(a.dtype, vrows, n, Dv, W, vtile);
-      kp = ktile;
-      vp = vtile;
-    } else {
-      if (n == W) {
-        kp = reinterpret_cast<const KE*>(krows);
-      } else {  // partial tile: K rows n..W-1 must not be read; pad with zeros
-        KE* raw = reinterpret_cast<KE*>(ktile);
-        std::memcpy(raw, krows, static_cast<size_t>(n * D) * sizeof(KE));
-        std::memset(raw + n * D, 0, static_cast<size_t>((W - n) * D) * sizeof(KE));
-        kp = raw;
-      }
-      vp = reinterpret_cast<const KE*>(vrows);  // only rows < n are read
-    }
-
-    // ---- raw scores of every row, RB rows x W keys per register block ----
-    {
-      int64_t rows[4];
-      int nr = 0;
-      auto flush = [&](int cnt) {
-        if constexpr (kDotLevel) {
-          if (dot) {
-            const uint16_t* kb = reinterpret_cast<const uint16_t*>(kp);
-            using Dot = Bf16Dot<V>;
-            if (cnt == 4) scores_rows<V, Dot, 4>(qb, D, kb, rows, ptile, &pf);
-            else if (cnt >= 2) scores_rows<V, Dot, 2>(qb, D, kb, rows, ptile, &pf);
-            else scores_row_walk<V, Dot>(qb + rows[0] * D, D, kb, ptile + rows[0] * W, &pf);
-            return;
-          }
+  // Tiles are taken a chunk at a time: the scores of every tile of the chunk (K rows), then
+  // softmax and P.V tile by tile (V rows); the same arithmetic in the same order as tile by
+  // tile. One query row (MHA decode) takes a whole block of at most kChunkKeys rows (a page)
+  // as one chunk, so the page, K rows then V rows, is read as one sequential stream: each
+  // stream that starts at a new address costs about 1 us on Zen 4 while the hardware
+  // prefetcher retrains, and K and V read tile by tile are two streams per page (fp16 MHA,
+  // 128-token pages: 1.64x one block tile by tile, 1.16x by pages; BENCHMARKS.md). Longer
+  // blocks (one contiguous block) and several rows keep one-tile chunks: two streams that
+  // advance together (chunked, one block measured 10% slower), and several rows' software
+  // prefetch of the next tile covers page starts.
+  TileCursor kc{a, kmin, kmax, W, es};  // the scores pass
+  TileCursor vc{a, kmin, kmax, W, es};  // the softmax + P.V pass, over the same tiles
+  for (bool more = kc.next(); more;) {
+    const int64_t chunk_block = kc.blk;
+    const int chunk_tiles = row_count == 1 && a.blocks[chunk_block].num_rows <= kChunkKeys ? kChunkKeys / W : 1;
+    int tiles = 0;
+    for (; more && tiles < chunk_tiles && kc.blk == chunk_block; more = kc.next(), ++tiles) {
+      const int64_t n = kc.n;
+      const char* krows = kc.krows;
+      float* ptile = pchunk + tiles * R * W;
+      // Software prefetch of the next tile, spread over this tile's loops, when several rows
+      // share the KV head: their compute is long enough that the hardware prefetchers alone
+      // leave DRAM idle for part of each tile (GQA 32/8 fp32: 1.8x -> 1.07x the read limit).
+      // One row (MHA) walks K sequentially and the hardware prefetchers keep up; software
+      // prefetch measured slower there.
+      pf.reset(nullptr, 0, nullptr, 0, 1);
+      if (row_count >= 2) pf.reset_next(kc, D * es, Dv * es, tile_steps);
+      const KE* kp;
+      if constexpr (kTiles) {
+        convert_rows<V>(a.dtype, krows, n, D, W, ktile);
+        kp = ktile;
+      } else {
+        if (n == W) {
+          kp = reinterpret_cast<const KE*>(krows);
+        } else {  // partial tile: K rows n..W-1 must not be read; pad with zeros
+          KE* raw = reinterpret_cast<KE*>(ktile);
+          std::memcpy(raw, krows, static_cast<size_t>(n * D) * sizeof(KE));
+          std::memset(raw + n * D, 0, static_cast<size_t>((W - n) * D) * sizeof(KE));
+          kp = raw;
         }
-        using Dot = FloatDot<V, KL>;
-        if (cnt == 4) scores_rows<V, Dot, 4>(qf, D, kp, rows, ptile, &pf);
-        else if (cnt >= 2) scores_rows<V, Dot, 2>(qf, D, kp, rows, ptile, &pf);
-        else scores_row_walk<V, Dot>(qf + rows[0] * D, D, kp, ptile + rows[0] * W, &pf);
-      };
-      for (int64_t i = 0; i < valid; ++i)
-        for (int64_t h = 0; h < G; ++h) {
-          rows[nr++] = h * S + i;
-          if (nr == 4) {
-            flush(nr);
-            nr = 0;
-          }
-        }
-      // Left-over rows: pairs, then one row walking K row by row (MHA decode: sequential
-      // addresses the hardware prefetchers follow; column-wise measured 1.6x slower).
-      while (nr > 0) {
-        const int cnt = nr >= 2 ? 2 : 1;
-        flush(cnt);
-        for (int k = cnt; k < nr; ++k) rows[k - cnt] = rows[k];
-        nr -= cnt;
       }
-    }
 
-    // ---- online softmax, row by row ----
-    bool any = false;
-    bool all_seen = true;  // every row sees every key of the tile
-    const unsigned tile_bits = n >= 32 ? ~0u : ((1u << n) - 1u);
-    for (int64_t i = 0; i < valid; ++i) {
-      int64_t lo, hi;
-      detail::visible_range(a, i, &lo, &hi);
-      const unsigned range = V::key_range(j0, std::max(lo, j0), std::min(hi, j0 + n));
-      for (int64_t h = 0; h < G; ++h) {
-        const int64_t r = h * S + i;
-        float* prow = ptile + r * W;
-        unsigned live = range;
-        vf bias = V::zero();
-        if (live && mk.kind != MaskKind::kNone) {
-          const int64_t mo = h * mk.head_stride + i * mk.row_stride + j0 * mk.key_stride;
-          if (mk.kind == MaskKind::kBool) {
-            if (mk.key_stride == 1) {
-              live &= V::bool_bits(static_cast<const uint8_t*>(mk.data) + mo, n);
-            } else {
-              const bool on = static_cast<const uint8_t*>(mk.data)[mo] != 0;
-              if (!on) live = 0;
+      // ---- raw scores of every row, RB rows x W keys per register block ----
+      {
+        int64_t rows[4];
+        int nr = 0;
+        auto flush = [&](int cnt) {
+          if constexpr (kDotLevel) {
+            if (dot) {
+              const uint16_t* kb = reinterpret_cast<const uint16_t*>(kp);
+              using Dot = Bf16Dot<V>;
+              if (cnt == 4) scores_rows<V, Dot, 4>(qb, D, kb, rows, ptile, &pf);
+              else if (cnt >= 2) scores_rows<V, Dot, 2>(qb, D, kb, rows, ptile, &pf);
+              else scores_row_walk<V, Dot>(qb + rows[0] * D, D, kb, ptile + rows[0] * W, &pf);
+              return;
             }
-          } else {
-            alignas(64) float bb[W];
-            if (mk.key_stride == 1 && mk.dtype == DType::kFloat32 && n == W) {
-              std::memcpy(bb, static_cast<const float*>(mk.data) + mo, sizeof(bb));
-            } else {
-              for (int t = 0; t < W; ++t)
-                bb[t] = t < n ? detail::load(mk.dtype, mk.data, mo + t * mk.key_stride) : 0.0f;
-            }
-            bias = V::load(bb);
-            live &= ~V::le_bits(bias, lowest);  // NaN biases stay live and make the row NaN
           }
+          using Dot = FloatDot<V, KL>;
+          if (cnt == 4) scores_rows<V, Dot, 4>(qf, D, kp, rows, ptile, &pf);
+          else if (cnt >= 2) scores_rows<V, Dot, 2>(qf, D, kp, rows, ptile, &pf);
+          else scores_row_walk<V, Dot>(qf + rows[0] * D, D, kp, ptile + rows[0] * W, &pf);
+        };
+        for (int64_t i = 0; i < valid; ++i)
+          for (int64_t h = 0; h < G; ++h) {
+            rows[nr++] = h * S + i;
+            if (nr == 4) {
+              flush(nr);
+              nr = 0;
+            }
+          }
+        // Left-over rows: pairs, then one row walking K row by row (MHA decode: sequential
+        // addresses the hardware prefetchers follow; column-wise measured 1.6x slower).
+        while (nr > 0) {
+          const int cnt = nr >= 2 ? 2 : 1;
+          flush(cnt);
+          for (int k = cnt; k < nr; ++k) rows[k - cnt] = rows[k];
+          nr -= cnt;
         }
-        if (live != tile_bits) all_seen = false;
-        if (!live) {
-          corr[r] = 1.0f;
-          std::fill(prow, prow + W, kUnseen);
-          continue;
-        }
-        vf s = V::load(prow);
-        if (dot && !capped) s = V::mul(s, V::set1(a.scale));  // dot scores are unscaled
-        if (capped) {
-          const vf x = V::mul(s, V::set1(a.scale));
-          s = V::mul(V::set1(a.softcap), tanh_v<V>(V::mul(x, V::set1(1.0f / a.softcap))));
-        }
-        s = V::add(s, bias);
-        // NaN or +inf in a visible score (from q, k or the mask): the row's result is NaN, as
-        // ONNX Attention's softmax gives (max = +inf, inf - inf = NaN).
-        if (~V::le_bits(s, FLT_MAX) & live) {
-          st->l[r] = NAN;
-          corr[r] = 1.0f;
-          std::fill(prow, prow + W, kUnseen);
-          continue;
-        }
-        live &= ~V::le_bits(s, -INFINITY);  // a -inf score contributes nothing (scalar level too)
-        if (live != tile_bits) all_seen = false;
-        if (!live) {
-          corr[r] = 1.0f;
-          std::fill(prow, prow + W, kUnseen);
-          continue;
-        }
-        // The max moves (horizontal max, scalar exp, rescale of acc and l) only in tiles where
-        // a visible score exceeds it, a few tiles per row in practice (for i.i.d. scores about
-        // ln(tiles)); other tiles add exp(s - m) <= 1 to lane-wise sums (lsum), folded into
-        // l at the end of the call. (A reference allowed to lag the max, as some GPU kernels
-        // do, would let p reach e^lag and overflow acc for |v| > FLT_MAX / e^lag; an exact max
-        // keeps acc within the scalar level's range.)
-        float m_ref = st->m[r];
-        float c = 1.0f;
-        if (V::gt_bits(s, m_ref) & live) {
-          const float m_new = std::max(m_ref, V::reduce_max(V::select(live, s, V::set1(-INFINITY))));
-          c = std::exp(m_ref - m_new);
-          st->l[r] *= c;
-          V::store(lsum + r * W, V::mul(V::load(lsum + r * W), V::set1(c)));
-          st->m[r] = m_ref = m_new;
-        }
-        const vf p = V::select(live, V::exp(V::sub(s, V::set1(m_ref))), V::set1(kUnseen));
-        V::store(lsum + r * W, V::add(V::load(lsum + r * W), p));
-        corr[r] = c;
-        V::store(prow, p);
-        any = true;
       }
     }
-    if (!any) continue;
 
-    // ---- weighted V accumulation, rescale fused; RB rows per V load ----
-    {
-      // 16-bit K/V: 4 rows per V load, so each V vector is converted once per 4 rows
-      // (measured 5% faster for GQA 32/8 fp16); float32: 2 rows with whole-row chunks.
-      constexpr int RB = kPvRows;
-      int64_t rows[RB];
-      int nr = 0;
-      for (int64_t i = 0; i < valid; ++i)
+    for (int t = 0; t < tiles; ++t) {
+      vc.next();
+      const int64_t j0 = vc.j0, n = vc.n;
+      float* ptile = pchunk + t * R * W;
+      const KE* vp;
+      if constexpr (kTiles) {
+        convert_rows<V>(a.dtype, vc.vrows, n, Dv, W, vtile);
+        vp = vtile;
+      } else {
+        vp = reinterpret_cast<const KE*>(vc.vrows);  // only rows < n are read
+      }
+
+      // ---- online softmax, row by row ----
+      bool any = false;
+      bool all_seen = true;  // every row sees every key of the tile
+      const unsigned tile_bits = n >= 32 ? ~0u : ((1u << n) - 1u);
+      for (int64_t i = 0; i < valid; ++i) {
+        int64_t lo, hi;
+        detail::visible_range(a, i, &lo, &hi);
+        const unsigned range = V::key_range(j0, std::max(lo, j0), std::min(hi, j0 + n));
         for (int64_t h = 0; h < G; ++h) {
-          rows[nr++] = h * S + i;
-          if (nr == RB) {
-            if (all_seen) pv_rows<V, KL, RB, false>(st->acc, rows, Dv, vp, ptile, 1, W, n, corr, &pf);
-            else pv_rows<V, KL, RB, true>(st->acc, rows, Dv, vp, ptile, 1, W, n, corr, &pf);
-            nr = 0;
+          const int64_t r = h * S + i;
+          float* prow = ptile + r * W;
+          unsigned live = range;
+          vf bias = V::zero();
+          if (live && mk.kind != MaskKind::kNone) {
+            const int64_t mo = h * mk.head_stride + i * mk.row_stride + j0 * mk.key_stride;
+            if (mk.kind == MaskKind::kBool) {
+              if (mk.key_stride == 1) {
+                live &= V::bool_bits(static_cast<const uint8_t*>(mk.data) + mo, n);
+              } else {
+                const bool on = static_cast<const uint8_t*>(mk.data)[mo] != 0;
+                if (!on) live = 0;
+              }
+            } else {
+              alignas(64) float bb[W];
+              if (mk.key_stride == 1 && mk.dtype == DType::kFloat32 && n == W) {
+                std::memcpy(bb, static_cast<const float*>(mk.data) + mo, sizeof(bb));
+              } else {
+                for (int t = 0; t < W; ++t)
+                  bb[t] = t < n ? detail::load(mk.dtype, mk.data, mo + t * mk.key_stride) : 0.0f;
+              }
+              bias = V::load(bb);
+              live &= ~V::le_bits(bias, lowest);  // NaN biases stay live and make the row NaN
+            }
           }
+          if (live != tile_bits) all_seen = false;
+          if (!live) {
+            corr[r] = 1.0f;
+            std::fill(prow, prow + W, kUnseen);
+            continue;
+          }
+          vf s = V::load(prow);
+          if (dot && !capped) s = V::mul(s, V::set1(a.scale));  // dot scores are unscaled
+          if (capped) {
+            const vf x = V::mul(s, V::set1(a.scale));
+            s = V::mul(V::set1(a.softcap), tanh_v<V>(V::mul(x, V::set1(1.0f / a.softcap))));
+          }
+          s = V::add(s, bias);
+          // NaN or +inf in a visible score (from q, k or the mask): the row's result is NaN, as
+          // ONNX Attention's softmax gives (max = +inf, inf - inf = NaN).
+          if (~V::le_bits(s, FLT_MAX) & live) {
+            st->l[r] = NAN;
+            corr[r] = 1.0f;
+            std::fill(prow, prow + W, kUnseen);
+            continue;
+          }
+          live &= ~V::le_bits(s, -INFINITY);  // a -inf score contributes nothing (scalar level too)
+          if (live != tile_bits) all_seen = false;
+          if (!live) {
+            corr[r] = 1.0f;
+            std::fill(prow, prow + W, kUnseen);
+            continue;
+          }
+          // The max moves (horizontal max, scalar exp, rescale of acc and l) only in tiles where
+          // a visible score exceeds it, a few tiles per row in practice (for i.i.d. scores about
+          // ln(tiles)); other tiles add exp(s - m) <= 1 to lane-wise sums (lsum), folded into
+          // l at the end of the call. (A reference allowed to lag the max, as some GPU kernels
+          // do, would let p reach e^lag and overflow acc for |v| > FLT_MAX / e^lag; an exact max
+          // keeps acc within the scalar level's range.)
+          float m_ref = st->m[r];
+          float c = 1.0f;
+          if (V::gt_bits(s, m_ref) & live) {
+            const float m_new = std::max(m_ref, V::reduce_max(V::select(live, s, V::set1(-INFINITY))));
+            c = std::exp(m_ref - m_new);
+            st->l[r] *= c;
+            V::store(lsum + r * W, V::mul(V::load(lsum + r * W), V::set1(c)));
+            st->m[r] = m_ref = m_new;
+          }
+          const vf p = V::select(live, V::exp(V::sub(s, V::set1(m_ref))), V::set1(kUnseen));
+          V::store(lsum + r * W, V::add(V::load(lsum + r * W), p));
+          corr[r] = c;
+          V::store(prow, p);
+          any = true;
         }
-      for (int k = 0; k < nr; ++k) {
-        if (all_seen) pv_rows<V, KL, 1, false>(st->acc, rows + k, Dv, vp, ptile, 1, W, n, corr, &pf);
-        else pv_rows<V, KL, 1, true>(st->acc, rows + k, Dv, vp, ptile, 1, W, n, corr, &pf);
+      }
+      if (!any) continue;
+
+      // ---- weighted V accumulation, rescale fused; RB rows per V load ----
+      {
+        // 16-bit K/V: 4 rows per V load, so each V vector is converted once per 4 rows
+        // (measured 5% faster for GQA 32/8 fp16); float32: 2 rows with whole-row chunks.
+        constexpr int RB = kPvRows;
+        int64_t rows[RB];
+        int nr = 0;
+        for (int64_t i = 0; i < valid; ++i)
+          for (int64_t h = 0; h < G; ++h) {
+            rows[nr++] = h * S + i;
+            if (nr == RB) {
+              if (all_seen) pv_rows<V, KL, RB, false>(st->acc, rows, Dv, vp, ptile, 1, W, n, corr, &pf);
+              else pv_rows<V, KL, RB, true>(st->acc, rows, Dv, vp, ptile, 1, W, n, corr, &pf);
+              nr = 0;
+            }
+          }
+        for (int k = 0; k < nr; ++k) {
+          if (all_seen) pv_rows<V, KL, 1, false>(st->acc, rows + k, Dv, vp, ptile, 1, W, n, corr, &pf);
+          else pv_rows<V, KL, 1, true>(st->acc, rows + k, Dv, vp, ptile, 1, W, n, corr, &pf);
+        }
       }
     }
   }

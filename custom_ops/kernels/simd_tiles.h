@@ -15,6 +15,10 @@ namespace simd {
 // Keys per tile of the lanes path (32: halves the per-tile accumulator load/rescale/store
 // against 16, measured 5-7% faster for MQA; scratch_floats in attention_common.cc sizes for it).
 constexpr int kLaneTileKeys = 32;
+// Rows of the largest block the row path reads as one chunk for one query row: its K rows,
+// then its V rows (simd_rows.h). A multiple of every W; scratch_floats in
+// attention_common.cc sizes for it.
+constexpr int kChunkKeys = 1024;
 
 // Spreads the software prefetch of the next tile's K and V rows over the current tile's
 // compute, a line per step() (into L2): a burst of prefetches at the start of a tile

@@ -25,6 +25,7 @@ struct Case {
   int mask = 0;  // 0 none, 1 bool, 2 additive
   DType dtype = DType::kFloat32;
   int blocks = 1;  // split the keys into this many blocks
+  int64_t page_rows = 0;  // > 0: blocks of this many rows instead (pages; the last one partial)
   float k_ramp = 0.0f;  // key j scaled by 1 + k_ramp * j: row maxima that keep rising (rescales)
 };
 
@@ -100,7 +101,7 @@ void run_case(const Case& c, uint32_t seed, double tol) {
   std::vector<uint8_t> qb = pack(q), kb = pack(k), vb = pack(v);
   std::vector<uint8_t> ob(static_cast<size_t>(c.G * c.S * c.Dv) * es, 0xff);
   std::vector<KVBlock> blocks;
-  const int64_t per = (T + c.blocks - 1) / c.blocks;
+  const int64_t per = c.page_rows > 0 ? c.page_rows : (T + c.blocks - 1) / c.blocks;
   for (int64_t start = 0; start < T; start += per) {
     KVBlock b;
     b.key = kb.data() + static_cast<size_t>(start * c.D) * es;
@@ -526,6 +527,56 @@ void nonfinite_matches_scalar(DType t) {
   }
 }
 
+// One query row over pages (the row path reads each page of at most 1024 rows as one chunk:
+// all its K rows, then all its V rows) gives the same bits as over one block read tile by
+// tile: the chunking reorders memory reads, not arithmetic. Pages of a multiple of 32 rows
+// (tiles on the global grid end on page ends), blocks of up to and beyond 1024 rows.
+void pages_match_one_block() {
+  const int64_t D = 64, T = 2600;
+  for (DType t : {DType::kFloat32, DType::kFloat16, DType::kBFloat16})
+    for (int mask : {0, 2})
+      for (float softcap : {0.0f, 5.0f}) {
+        std::mt19937 rng(static_cast<uint32_t>(7 + mask + static_cast<int>(t) * 3));
+        std::normal_distribution<float> nd;
+        const size_t es = dtype_size(t);
+        std::vector<uint8_t> q(static_cast<size_t>(D) * es), k(static_cast<size_t>(T * D) * es), v(k.size());
+        for (auto* x : {&q, &k, &v})
+          for (size_t i = 0; i < x->size() / es; ++i) {
+            const float f = nd(rng) * (x == &k ? 1.0f + 0.002f * static_cast<float>(i / D) : 1.0f);
+            if (t == DType::kFloat32) std::memcpy(x->data() + i * 4, &f, 4);
+            else {
+              const uint16_t b = enc(t, f);
+              std::memcpy(x->data() + i * 2, &b, 2);
+            }
+          }
+        std::vector<float> bias(static_cast<size_t>(T));
+        for (auto& b : bias) b = rng() % 5 == 0 ? -INFINITY : nd(rng);
+        auto run = [&](int64_t page_rows) {
+          std::vector<KVBlock> blocks;
+          for (int64_t s0 = 0; s0 < T; s0 += page_rows)
+            blocks.push_back(KVBlock{k.data() + static_cast<size_t>(s0 * D) * es, v.data() + static_cast<size_t>(s0 * D) * es, s0,
+                                     std::min(page_rows, T - s0)});
+          std::vector<uint8_t> out(static_cast<size_t>(D) * es);
+          AttentionGroup a;
+          a.dtype = t;
+          a.q = q.data(); a.q_head_stride = D; a.q_row_stride = D;
+          a.out = out.data(); a.out_head_stride = D; a.out_row_stride = D;
+          a.num_rows = 1; a.num_valid_rows = 1; a.q_offset = T - 1; a.num_keys = T;
+          a.blocks = blocks.data(); a.num_blocks = static_cast<int64_t>(blocks.size());
+          a.head_dim = D; a.v_head_dim = D; a.scale = 0.125f; a.softcap = softcap; a.is_causal = true;
+          if (mask) {
+            a.mask.kind = MaskKind::kAdditive; a.mask.dtype = DType::kFloat32; a.mask.data = bias.data();
+            a.mask.head_stride = T; a.mask.row_stride = T; a.mask.key_stride = 1;
+          }
+          std::vector<float> scratch(static_cast<size_t>(attend_group_floats(a)));
+          attend_group(a, scratch.data());
+          return out;
+        };
+        const std::vector<uint8_t> one = run(T);
+        for (int64_t page_rows : {32, 96, 128, 512, 1024, 1056}) CHECK(run(page_rows) == one);
+      }
+}
+
 }  // namespace
 
 void run_all() {
@@ -622,6 +673,20 @@ void run_all() {
       b.S = 2; b.window = 60; b.softcap = 4.0f;
       run_case(b, 95 + static_cast<uint32_t>(D + G), 1.6e-2);
     }
+  // One query row over pages (chunked reads of K then V per page) and over pages longer than a
+  // chunk, partial last pages, pages that are not a multiple of the tile: the double reference.
+  for (DType t : {DType::kFloat32, DType::kFloat16, DType::kBFloat16})
+    for (int64_t page_rows : {17, 32, 128, 1024, 1100})
+      for (int mask : {0, 1, 2}) {
+        Case pg;
+        pg.G = 1; pg.S = 1; pg.P = 2300; pg.D = 32; pg.Dv = 32; pg.page_rows = page_rows; pg.mask = mask;
+        pg.dtype = t; pg.k_ramp = 0.001f;
+        const double tol = t == DType::kFloat32 ? 2e-4 : t == DType::kFloat16 ? 2e-3 : 1.6e-2;
+        run_case(pg, 101 + static_cast<uint32_t>(page_rows + mask), tol);
+        pg.window = 700; pg.softcap = 3.0f;
+        run_case(pg, 111 + static_cast<uint32_t>(page_rows + mask), tol);
+      }
+  pages_match_one_block();
   Case odd;  // head_dim not a multiple of the vector width: SIMD levels fall back to scalar
   odd.G = 2; odd.S = 2; odd.P = 5; odd.D = 12; odd.Dv = 12;
   run_case(odd, 21, 1e-5);
