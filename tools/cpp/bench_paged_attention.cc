@@ -1,0 +1,178 @@
+// Paged vs one-block attention, the kernel alone (no ORT): one decode step (1 query row per
+// head, MHA; or a GQA group) over `heads` kv heads x enough layers to exceed the last-level
+// cache, K/V laid out several ways, all measured interleaved round by round in one run:
+//
+//   one        one contiguous block per (layer, kv head): K [T, D] then V [T, D]
+//   paged      pages of page_tokens positions, K rows then V rows, in the order a decode builds
+//              them (page b of every (layer, head), then page b+1), read head by head
+//   paged_row  the same pages read page row by page row: page b of every head of a layer, then
+//              page b+1 (each head's online-softmax state carried across calls of attend_range)
+//
+//   bench_paged_attention [dtype=f16|f32|bf16] [context=4096] [page_tokens=128] [heads=32]
+//                         [group=1] [head_dim=128] [rounds=30]
+//
+// Prints the median and the minimum ms per layer-step of each layout and their ratios to one
+// block (the minimum is the figure least disturbed by other load on a shared machine).
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/attention.h"
+
+using namespace olep;
+using namespace olep::kernels;
+
+namespace {
+
+constexpr size_t kHuge = size_t{2} << 20;
+
+char* huge_alloc(size_t bytes) {
+  bytes = (bytes + kHuge - 1) / kHuge * kHuge;
+  void* p = mmap(nullptr, bytes + kHuge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) {
+    std::perror("mmap");
+    std::exit(1);
+  }
+  char* b = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(p) + kHuge - 1) / kHuge * kHuge);
+  madvise(b, bytes, MADV_HUGEPAGE);
+  std::memset(b, 0, bytes);
+  return b;
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::string dt = argc > 1 ? argv[1] : "f16";
+  const int64_t T = argc > 2 ? std::atoll(argv[2]) : 4096;
+  const int64_t P = argc > 3 ? std::atoll(argv[3]) : 128;
+  const int64_t heads = argc > 4 ? std::atoll(argv[4]) : 32;
+  const int64_t G = argc > 5 ? std::atoll(argv[5]) : 1;
+  const int64_t D = argc > 6 ? std::atoll(argv[6]) : 128;
+  const int rounds = argc > 7 ? std::atoi(argv[7]) : 30;
+  const DType dtype = dt == "f32" ? DType::kFloat32 : dt == "bf16" ? DType::kBFloat16 : DType::kFloat16;
+  const size_t es = dtype_size(dtype);
+  const size_t row = static_cast<size_t>(D) * es;
+  const int64_t per_head = T * 2 * static_cast<int64_t>(row);
+  const int64_t layers = std::max<int64_t>(1, (256ll << 20) / (per_head * heads));  // >= 256 MiB working set
+  const int64_t units = heads * layers;  // unit u = layer * heads + head
+  const int64_t blocks = (T + P - 1) / P;
+  const size_t half = static_cast<size_t>(P) * row;
+  const size_t page_bytes = 2 * half;
+  const size_t unit_bytes = (static_cast<size_t>(per_head) + kHuge - 1) / kHuge * kHuge;
+  char* contig = huge_alloc(static_cast<size_t>(units) * unit_bytes);
+  char* paged = huge_alloc(static_cast<size_t>(units * blocks) * page_bytes);
+  auto cbase = [&](int64_t u) { return contig + static_cast<size_t>(u) * unit_bytes; };
+  auto page = [&](char* base, int64_t u, int64_t b) { return base + static_cast<size_t>(b * units + u) * page_bytes; };
+
+  std::mt19937 rng(1);
+  std::normal_distribution<float> nd;
+  for (int64_t u = 0; u < units; ++u) {
+    char* dst = cbase(u);
+    for (size_t i = 0; i < static_cast<size_t>(per_head); i += es) {
+      const float x = nd(rng) * 0.5f;
+      if (dtype == DType::kFloat32) {
+        std::memcpy(dst + i, &x, 4);
+      } else {
+        const uint16_t v = dtype == DType::kFloat16 ? float_to_half(x) : float_to_bf16(x);
+        std::memcpy(dst + i, &v, 2);
+      }
+    }
+  }
+  std::vector<std::vector<KVBlock>> one(static_cast<size_t>(units)), pg(static_cast<size_t>(units));
+  for (int64_t u = 0; u < units; ++u) {
+    char* k = cbase(u);
+    char* v = k + static_cast<size_t>(T) * row;
+    one[static_cast<size_t>(u)].push_back(KVBlock{k, v, 0, T});
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t n = std::min(P, T - b * P);
+      char* p = page(paged, u, b);
+      std::memcpy(p, k + static_cast<size_t>(b * P) * row, static_cast<size_t>(n) * row);
+      std::memcpy(p + half, v + static_cast<size_t>(b * P) * row, static_cast<size_t>(n) * row);
+      pg[static_cast<size_t>(u)].push_back(KVBlock{p, p + half, b * P, n});
+    }
+  }
+
+  std::vector<float> q(static_cast<size_t>(G * D), 0.1f), out(static_cast<size_t>(heads * G * D));
+  std::vector<uint16_t> q16(q.size(), float_to_half(0.1f)), out16(out.size());
+  AttentionGroup a;
+  a.dtype = dtype;
+  a.q = dtype == DType::kFloat32 ? static_cast<const void*>(q.data()) : static_cast<const void*>(q16.data());
+  a.q_head_stride = a.out_head_stride = D;
+  a.q_row_stride = a.out_row_stride = G * D;
+  a.group_size = G;
+  a.num_rows = a.num_valid_rows = 1;
+  a.q_offset = T - 1;
+  a.num_keys = T;
+  a.head_dim = a.v_head_dim = D;
+  a.scale = 0.088f;
+  a.is_causal = true;
+  std::vector<AttentionGroup> ga(static_cast<size_t>(heads), a);
+  for (int64_t h = 0; h < heads; ++h) {
+    const size_t off = static_cast<size_t>(h * G * D);
+    ga[static_cast<size_t>(h)].out = dtype == DType::kFloat32 ? static_cast<void*>(out.data() + off)
+                                                              : static_cast<void*>(out16.data() + off);
+  }
+  std::vector<AttentionState> st(static_cast<size_t>(heads));
+  const int64_t sf = state_floats(a);
+  std::vector<float> states(static_cast<size_t>(sf * heads)), scratch(static_cast<size_t>(scratch_floats(a)) + 64);
+
+  // One layer-step over layer l's heads, head by head or page row by page row.
+  auto step = [&](const std::vector<std::vector<KVBlock>>& lists, int64_t l, bool by_row) {
+    for (int64_t h = 0; h < heads; ++h) {
+      AttentionGroup& g = ga[static_cast<size_t>(h)];
+      const auto& bl = lists[static_cast<size_t>(l * heads + h)];
+      g.blocks = bl.data();
+      g.num_blocks = static_cast<int64_t>(bl.size());
+      init_state(g, states.data() + h * sf, &st[static_cast<size_t>(h)]);
+      if (!by_row) {
+        attend_range(g, 0, T, &st[static_cast<size_t>(h)], scratch.data());
+        finalize(g, st[static_cast<size_t>(h)]);
+      }
+    }
+    if (!by_row) return;
+    for (int64_t b = 0; b < blocks; ++b)
+      for (int64_t h = 0; h < heads; ++h)
+        attend_range(ga[static_cast<size_t>(h)], b * P, std::min(T, (b + 1) * P), &st[static_cast<size_t>(h)],
+                     scratch.data());
+    for (int64_t h = 0; h < heads; ++h) finalize(ga[static_cast<size_t>(h)], st[static_cast<size_t>(h)]);
+  };
+  struct Variant {
+    const char* name;
+    const std::vector<std::vector<KVBlock>>* lists;
+    bool by_row;
+    std::vector<double> ms;
+  };
+  std::vector<Variant> vs = {{"one", &one, false, {}}, {"paged", &pg, false, {}}, {"paged_row", &pg, true, {}}};
+  for (int r = 0; r < rounds; ++r)
+    for (size_t i = 0; i < vs.size(); ++i) {
+      Variant& v = vs[(i + static_cast<size_t>(r)) % vs.size()];
+      const auto t0 = std::chrono::steady_clock::now();
+      for (int64_t l = 0; l < layers; ++l) step(*v.lists, l, v.by_row);
+      v.ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() /
+                     static_cast<double>(layers));
+    }
+  std::printf("%s isa=%s T=%lld page_tokens=%lld heads=%lld group=%lld head_dim=%lld layers=%lld rounds=%d\n",
+              dt.c_str(), isa_name(active_isa()), static_cast<long long>(T), static_cast<long long>(P),
+              static_cast<long long>(heads), static_cast<long long>(G), static_cast<long long>(D),
+              static_cast<long long>(layers), rounds);
+  const double base = median(vs[0].ms);
+  const double base_min = *std::min_element(vs[0].ms.begin(), vs[0].ms.end());
+  for (const Variant& v : vs) {
+    const double mn = *std::min_element(v.ms.begin(), v.ms.end());
+    std::printf("  %-10s median %8.3f ms x%.3f   min %8.3f ms x%.3f\n", v.name, median(v.ms), median(v.ms) / base, mn,
+                mn / base_min);
+  }
+  return 0;
+}
