@@ -226,7 +226,7 @@ PYBIND11_MODULE(_core, m) {
         g.dtype = olep::parse_dtype(dtype, "KVCache: dtype");
         g.max_sequence_length = max_sequence_length;
         g.memory_limit_bytes = memory_limit_bytes;
-        g.page_tokens = page_tokens;
+        g.page_tokens = page_tokens > 0 ? page_tokens : olep::default_page_tokens(head_dim, v_head_dim, g.dtype);
         g.sliding_window = sliding_window;
         g.rollback_tokens = rollback_tokens;
         return call("KVCache", [&] {
@@ -237,6 +237,15 @@ PYBIND11_MODULE(_core, m) {
       py::arg("num_layers"), py::arg("batch_size"), py::arg("kv_num_heads"), py::arg("head_dim"),
       py::arg("v_head_dim"), py::arg("dtype"), py::arg("max_sequence_length"), py::arg("memory_limit_bytes"),
       py::arg("page_tokens"), py::arg("pool"), py::arg("sliding_window"), py::arg("rollback_tokens"));
+  m.def(
+      "default_page_tokens",
+      [](int64_t head_dim, int64_t v_head_dim, const std::string& dtype) {
+        return call("default_page_tokens", [&] {
+          return olep::default_page_tokens(head_dim, v_head_dim, olep::parse_dtype(dtype, "default_page_tokens: dtype"));
+        });
+      },
+      py::arg("head_dim"), py::arg("v_head_dim"), py::arg("dtype"),
+      "page_tokens a cache gets when none is given (at least 128 KiB of K and V per page).");
   m.def("release", [](int64_t h) { call("KVCache.close", [&] { Registry::instance().release_cache(h); return 0; }); });
   m.def("is_live", [](int64_t h) { return Registry::instance().is_live(h); });
   m.def("num_live_caches", [] { return Registry::instance().num_live_caches(); });

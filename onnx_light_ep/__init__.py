@@ -78,7 +78,7 @@ if not _has_core(_os.path.dirname(__file__)):
         raise
 else:
     from ._registration import DOMAIN, EP_NAME, InferenceSession, get_library_path, register
-    from .cache import DEFAULT_PAGE_TOKENS, KVCache
+    from .cache import DEFAULT_PAGE_BYTES, KVCache, default_page_tokens
     from .errors import KVCacheBusyError, KVCacheError, KVCacheMemoryError
     from .pool import KVCheckpoint, KVPool
 
@@ -105,7 +105,8 @@ else:
                         cache_input=cache_input, check=check)
 
     __all__ = [
-        "DEFAULT_PAGE_TOKENS",
+        "DEFAULT_PAGE_BYTES",
+        "default_page_tokens",
         "DOMAIN",
         "EP_NAME",
         "InferenceSession",

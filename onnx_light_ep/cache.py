@@ -18,7 +18,7 @@ from ._args import as_int, as_int64_vector
 from ._handle import NativeHandle
 from .pool import KVCheckpoint, KVPool
 
-__all__ = ["KVCache", "DEFAULT_PAGE_TOKENS"]
+__all__ = ["KVCache", "DEFAULT_PAGE_BYTES", "default_page_tokens"]
 
 _DTYPE_NAMES = ("float32", "float16", "bfloat16")
 _NP_DTYPES = {
@@ -53,8 +53,33 @@ def _to_core_array(arr: np.ndarray) -> np.ndarray:
     return arr
 
 
-DEFAULT_PAGE_TOKENS = 128
-"""Positions per page when neither the cache nor its pool names one (chosen by measurement)."""
+DEFAULT_PAGE_BYTES = 128 << 10
+"""Bytes of K and V a default page holds at least (see :func:`default_page_tokens`)."""
+
+
+def default_page_tokens(head_dim: int, dtype: Any = "float16", v_head_dim: Optional[int] = None) -> int:
+    """Positions per page a cache gets when neither it nor its pool names ``page_tokens``.
+
+    The smallest power of two in [128, 1024] whose page (K and V rows of one
+    layer, sequence and kv head) holds at least ``DEFAULT_PAGE_BYTES`` (128 KiB):
+    256 for float16/bfloat16 with head_dim 128, 128 for float32, 512 for
+    float16 with head_dim 64. Chosen by measurement: a page read from a new
+    address costs DRAM time while the hardware prefetcher retrains, 1.12-1.14x
+    a contiguous read at 64 KiB pages and 1.00-1.03x at 128 KiB on Zen 4
+    (``build/bench_scattered_read``; BENCHMARKS.md, "paged vs one block").
+
+    Args:
+        head_dim: int in [1, 4096], key head size in elements.
+        dtype: the cache dtype, as :class:`KVCache` takes it.
+        v_head_dim: value head size; None means ``head_dim``.
+
+    Raises:
+        ValueError: a size out of range or an unknown dtype.
+    """
+    where = "default_page_tokens"
+    head_dim = as_int(head_dim, where, "head_dim")
+    v_head_dim = head_dim if v_head_dim is None else as_int(v_head_dim, where, "v_head_dim")
+    return int(_core.default_page_tokens(head_dim, v_head_dim, _dtype_name(dtype, where, "dtype")))
 
 
 class KVCache(NativeHandle):
@@ -85,8 +110,9 @@ class KVCache(NativeHandle):
             cache's tables hold (``stats()["committed_bytes"]``).
         pool: a :class:`KVPool` to take pages from and count them against, or
             None for a private pool (released with the cache).
-        page_tokens: positions per page, a multiple of 32; None = the pool's
-            default, else ``DEFAULT_PAGE_TOKENS``.
+        page_tokens: positions per page, a multiple of 32 in [32, 65536]; None =
+            the pool's ``page_tokens``, else :func:`default_page_tokens` for this
+            head_dim and dtype.
         sliding_window: None (keep every position), an int W (every layer), or
             a list with one entry per layer (None or 0 = keep everything on that
             layer): positions older than ``seq_len - W - rollback_tokens`` are
@@ -158,7 +184,9 @@ class KVCache(NativeHandle):
         if pool is not None and not isinstance(pool, KVPool):
             raise ValueError(f"{where}: pool; expected a KVPool or None, got {type(pool).__name__}")
         if page_tokens is None:
-            page_tokens = (pool.page_tokens if pool is not None else None) or DEFAULT_PAGE_TOKENS
+            page_tokens = (pool.page_tokens if pool is not None else None) or default_page_tokens(
+                head_dim, dtype_name, v_head_dim
+            )
         page_tokens = as_int(page_tokens, where, "page_tokens")
         windows = _windows(sliding_window, num_layers, where)
         rollback_tokens = as_int(rollback_tokens, where, "rollback_tokens")

@@ -34,7 +34,8 @@ class KVPool(NativeHandle):
             before anything changes.
         page_tokens: default page size (positions per page, a multiple of 32)
             for caches created in this pool without their own; None = the
-            library default (``onnx_light_ep.DEFAULT_PAGE_TOKENS``).
+            library default (:func:`onnx_light_ep.default_page_tokens`, by head_dim
+            and dtype).
 
     Lifetime: :meth:`close` (or the ``with`` block) releases the pool; closing
     a pool that caches or checkpoints still use is a ``ValueError``. A pool

@@ -15,6 +15,15 @@ void in_range(int64_t v, int64_t lo, int64_t hi, const char* name) {
 
 }  // namespace
 
+int64_t default_page_tokens(int64_t head_dim, int64_t v_head_dim, DType dtype) {
+  in_range(head_dim, 1, 4096, "head_dim");
+  in_range(v_head_dim, 1, 4096, "v_head_dim");
+  const int64_t row = (head_dim + v_head_dim) * static_cast<int64_t>(dtype_size(dtype));
+  int64_t t = kMinDefaultPageTokens;
+  while (t < kMaxDefaultPageTokens && t * row < kDefaultPageBytes) t *= 2;
+  return t;
+}
+
 void CacheGeometry::validate() const {
   in_range(num_layers, 1, 4096, "num_layers");
   in_range(batch_size, 1, 65536, "batch_size");

@@ -10,8 +10,18 @@
 
 namespace olep {
 
-/// Default page_tokens (positions per page). A multiple of the kernels' 32-key tile; chosen by
-/// measurement (BENCHMARKS.md, "paged vs one block").
+/// The default page holds at least this many bytes of K and V: at 64 KiB a page read from a
+/// new address costs 1.12-1.14x the same bytes read in one contiguous block on Zen 4, at 128
+/// KiB 1.00-1.03x (tools/cpp/bench_scattered_read; BENCHMARKS.md, "paged vs one block").
+constexpr int64_t kDefaultPageBytes = int64_t{128} << 10;
+/// Fewest and most positions of a default page (the most: the row path's one-chunk block).
+constexpr int64_t kMinDefaultPageTokens = 128;
+constexpr int64_t kMaxDefaultPageTokens = 1024;
+/// Default page_tokens for rows of head_dim + v_head_dim elements of `dtype`: the smallest power
+/// of two in [128, 1024] whose page holds kDefaultPageBytes (256 for fp16/bf16 and head_dim 128,
+/// 128 for float32, 512 for fp16 and head_dim 64). head_dim, v_head_dim >= 1.
+int64_t default_page_tokens(int64_t head_dim, int64_t v_head_dim, DType dtype);
+/// Default page_tokens before this geometry's sizes are known (C++ callers that set no size).
 constexpr int64_t kDefaultPageTokens = 128;
 /// page_tokens must be a multiple of this (the kernels' key tile, so tiles end on page ends).
 constexpr int64_t kPageTokenMultiple = 32;

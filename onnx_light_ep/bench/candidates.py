@@ -361,7 +361,7 @@ EP_PAGE_TOKENS = None  # page size of ep_kvcache (run_bench(page_tokens=...)); N
 
 class EpKVCache(Candidate):
     """``ep_kvcache``: ``CacheAttention`` on the EP, cache pre-filled with ``KVCache.from_past``
-    on pages of the default size (``DEFAULT_PAGE_TOKENS``)."""
+    on pages of the default size (``default_page_tokens(head_dim, dtype)``)."""
 
     key = "ep_kvcache"
 

@@ -512,3 +512,42 @@ def test_from_past_non_contiguous_views(rng):
             k, v = c.export(l)
             assert_bit_equal(k, np.ascontiguousarray(kv[l]), f"layer {l} key")
             assert_bit_equal(v, np.ascontiguousarray(vv[l]), f"layer {l} value")
+
+
+@pytest.mark.parametrize(
+    "head_dim,v_head_dim,dtype,want",
+    [
+        (128, None, "float16", 256),  # 128 KiB pages
+        (128, None, "bfloat16", 256),
+        (128, None, "float32", 128),
+        (64, None, "float16", 512),
+        (256, None, "float16", 128),  # 128 tokens hold 128 KiB already
+        (64, 128, "float16", 512),  # (64 + 128) * 2 * 256 = 96 KiB < 128 KiB
+        (4, None, "float32", 1024),  # capped
+    ],
+)
+def test_default_page_tokens(head_dim, v_head_dim, dtype, want):
+    got = onnx_light_ep.default_page_tokens(head_dim, dtype, v_head_dim)
+    assert got == want
+    row = (head_dim + (v_head_dim or head_dim)) * np.dtype(NP_DTYPE[dtype]).itemsize
+    assert got == 1024 or got * row >= onnx_light_ep.DEFAULT_PAGE_BYTES
+    assert got == 128 or (got // 2) * row < onnx_light_ep.DEFAULT_PAGE_BYTES
+    # what a cache gets without page_tokens, alone and in a pool that names none
+    geom = dict(num_layers=1, batch_size=1, kv_num_heads=1, head_dim=head_dim, dtype=dtype, max_sequence_length=8)
+    if v_head_dim is not None:
+        geom["v_head_dim"] = v_head_dim
+    with KVCache(**geom) as c:
+        assert c.page_tokens == want
+    with onnx_light_ep.KVPool() as pool, KVCache(pool=pool, **geom) as c:
+        assert c.page_tokens == want
+    with onnx_light_ep.KVPool(page_tokens=64) as pool, KVCache(pool=pool, **geom) as c:
+        assert c.page_tokens == 64
+
+
+def test_default_page_tokens_errors():
+    with pytest.raises(ValueError, match="head_dim"):
+        onnx_light_ep.default_page_tokens(0, "float16")
+    with pytest.raises(ValueError, match="v_head_dim"):
+        onnx_light_ep.default_page_tokens(64, "float16", 5000)
+    with pytest.raises(ValueError, match="dtype"):
+        onnx_light_ep.default_page_tokens(64, "int8")
