@@ -339,18 +339,22 @@ def update_benchmarks_md(path: str, result: Dict, png: Optional[str] = None) -> 
         f.write(text)
 
 
-def update_benchmarks_md_section(path: str, name: str, arena: Dict) -> None:
-    """Replace block ``bench_<name>`` of ``path`` with the arena report (bench/arena.py)."""
-    from .arena import markdown as arena_markdown
-
+def update_block(path: str, name: str, body: str) -> None:
+    """Replace generated block ``name`` of ``path`` (created if missing) with ``body``."""
     text = ""
     if os.path.isfile(path):
         with open(path) as f:
             text = f.read()
+    with open(path, "w") as f:
+        f.write(_replace_block(text, name, body))
+
+
+def update_benchmarks_md_section(path: str, name: str, arena: Dict) -> None:
+    """Replace block ``bench_<name>`` of ``path`` with the arena report (bench/arena.py)."""
+    from .arena import markdown as arena_markdown
+
     s = arena["settings"]
     body = ["## Generation operations on the paged arena", ""] + machine_lines(arena["machine"]) + [
         "", f"Command: `{s.get('command') or 'onnx-light bench --arena-only'}`; run took "
         f"{s.get('elapsed_s', 0) / 60:.1f} min.", ""] + arena_markdown(arena)
-    text = _replace_block(text, "bench_" + name, "\n".join(body))
-    with open(path, "w") as f:
-        f.write(text)
+    update_block(path, "bench_" + name, "\n".join(body))
