@@ -185,8 +185,9 @@ OrtStatus* infer_cache_export(const OrtCustomOp*, OrtShapeInferContext* c) {
                                                "(bfloat16)");
     const int64_t hkv = ic.attr_int("kv_num_heads", -1), d = ic.attr_int("head_dim", -1);
     const int64_t dv = ic.attr_int("v_head_dim", d);
-    ic.set_output(0, t, {-1, hkv, -1, d}, {"", "", "", ""});
-    ic.set_output(1, t, {-1, hkv, -1, dv}, {"", "", "", ""});
+    // Named symbols for the unknown sizes (an unnamed one reads as -1; see infer_cache_commit).
+    ic.set_output(0, t, {-1, hkv, -1, d}, {"batch", "kv_num_heads", "total_sequence_length", "head_dim"});
+    ic.set_output(1, t, {-1, hkv, -1, dv}, {"batch", "kv_num_heads", "total_sequence_length", "v_head_dim"});
     return nullptr;
   } catch (const std::exception& e) {
     return make_status(ORT_INVALID_ARGUMENT, std::string("CacheExport shape inference: ") + e.what());
@@ -195,7 +196,9 @@ OrtStatus* infer_cache_export(const OrtCustomOp*, OrtShapeInferContext* c) {
 
 OrtStatus* infer_cache_commit(const OrtCustomOp*, OrtShapeInferContext* c) {
   try {
-    InferCtx{c}.set_output(0, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64, {-1}, {""});
+    // A named symbol, not an unnamed -1: ORT reads an unnamed inferred dimension as the value -1
+    // and warns on every run that the graph output's {-1} does not match the actual shape.
+    InferCtx{c}.set_output(0, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64, {-1}, {"batch"});
     return nullptr;
   } catch (const std::exception& e) {
     return make_status(ORT_INVALID_ARGUMENT, std::string("CacheCommit shape inference: ") + e.what());

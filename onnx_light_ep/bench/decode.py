@@ -99,7 +99,7 @@ def plan_layers(cfg: BenchConfig, llc_bytes: int) -> int:
 
 
 def default_configs(quick: bool = False, llc_bytes: int = 32 << 20) -> List[BenchConfig]:
-    """Issue 4's grid (or the ``--quick`` subset) with layers planned for ``llc_bytes``.
+    """The full grid (or the ``--quick`` subset) with layers planned for ``llc_bytes``.
 
     Full: (Hq, Hkv) in {(32,32), (32,8), (32,1)} x B in {1, 4} x L in {1K, 4K,
     16K, 32K} x {fp32, fp16, bf16}, D = 128, multi-layer; plus the single-layer
@@ -385,7 +385,7 @@ def _progress_line(cfg, run) -> str:
         v = run["candidates"].get(k)
         if v and v.get("median_ms") is not None:
             parts.append(f"{k}={v['median_ms']:.3f}")
-    return f"  t={run['threads']}: " + " ".join(parts)
+    return f"  t={run['threads']}, median ms per step: " + " ".join(parts)
 
 
 # -- whole run --------------------------------------------------------------------
@@ -523,7 +523,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--out-dir", default="bench_out",
                         help="where bench_decode.{json,md,png} go (default bench_out)")
     parser.add_argument("--config", action="append", default=None, metavar="Hq,Hkv,B,L,dtype[,layers]",
-                        help="run only these configurations (repeatable); default: the issue-4 grid")
+                        help="run only these configurations (repeatable); default: the full grid, (Hq, Hkv) in "
+                             "{(32,32), (32,8), (32,1)} x B in {1,4} x L in {1K,4K,16K,32K} x {fp32,fp16,bf16}, D=128")
     parser.add_argument("--warmup", type=int, default=None, help="warm-up rounds (default 5, quick 2)")
     parser.add_argument("--reps", type=int, default=None, help="measured rounds (default 15, quick 3)")
     parser.add_argument("--candidates", default=",".join(CANDIDATES),

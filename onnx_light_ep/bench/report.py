@@ -159,6 +159,10 @@ def _fmt(x: Optional[float], spec: str = ".2f") -> str:
 
 
 def summary_lines(sm: Dict) -> List[str]:
+    if not sm["headline_1thread_multilayer_L4k_plus"]:
+        lines = ["### Headline: none (this run has no 1-thread multi-layer configuration with L >= 4K; "
+                 "the full tables follow)", ""]
+        return lines + _ratio_lines(sm)
     lines = ["### Headline: 1 thread, multi-layer (K+V >= 3x LLC where possible), L >= 4K", "",
              "| config | layers | K+V MiB | limit ms | EP KVCache ms | EP ÷ limit | ORT best ms (path) "
              "| ORT best ÷ limit | EP speedup vs ORT best | ORT Attn past ms | EP tensor ms "
@@ -176,7 +180,11 @@ def summary_lines(sm: Dict) -> List[str]:
             f"{_fmt(h['ep_speedup_vs_ort_best'])}x | {_fmt(h['ort_attention_past_ms'], '.3g')} | "
             f"{_fmt(h['ep_tensor_ms'], '.3g')} | "
             f"{_bytes_cell({'bytes_appended_per_step': h['bytes_appended_per_step'], 'bytes_copied_per_step': h['bytes_copied_per_step']})} |")
-    lines += ["", "2 threads vs 1 thread (median(1 thread) / median(2 threads), geometric mean over "
+    return lines + [""] + _ratio_lines(sm)
+
+
+def _ratio_lines(sm: Dict) -> List[str]:
+    lines = ["2 threads vs 1 thread (median(1 thread) / median(2 threads), geometric mean over "
               "multi-layer configurations [min–max]): " + ", ".join(
                   f"{SHORT[k]} {_fmt(v)} [{_fmt(sm['speedup_2_threads_over_1_range'][k][0])}–"
                   f"{_fmt(sm['speedup_2_threads_over_1_range'][k][1])}]"
