@@ -8,49 +8,44 @@ void release(OrtStatus* st) {
   if (st) api().ReleaseStatus(st);
 }
 
+// The attribute `name` of n, or nullptr when absent.
+const OrtOpAttr* find_attr(const OrtNode* n, const char* name) {
+  const OrtOpAttr* a = nullptr;
+  OrtStatus* st = api().Node_GetAttributeByName(n, name, &a);
+  if (st) {
+    release(st);
+    return nullptr;
+  }
+  return a;
+}
+
+// A scalar attribute of `type` into *v; false when absent or of another type.
+template <class T>
+bool read_scalar_attr(const OrtNode* n, const char* name, OrtOpAttrType type, T* v) {
+  const OrtOpAttr* a = find_attr(n, name);
+  if (a == nullptr) return false;
+  size_t out = 0;
+  OrtStatus* st = api().ReadOpAttr(a, type, v, sizeof(*v), &out);
+  const bool ok = st == nullptr;
+  release(st);
+  return ok;
+}
+
 }  // namespace
 
 bool node_attr_int(const OrtNode* n, const char* name, int64_t* v) {
-  const OrtOpAttr* a = nullptr;
-  OrtStatus* st = api().Node_GetAttributeByName(n, name, &a);
-  if (st || a == nullptr) {
-    release(st);
-    return false;
-  }
-  size_t out = 0;
-  st = api().ReadOpAttr(a, ORT_OP_ATTR_INT, v, sizeof(*v), &out);
-  if (st) {
-    release(st);
-    return false;
-  }
-  return true;
+  return read_scalar_attr(n, name, ORT_OP_ATTR_INT, v);
 }
 
 bool node_attr_float(const OrtNode* n, const char* name, float* v) {
-  const OrtOpAttr* a = nullptr;
-  OrtStatus* st = api().Node_GetAttributeByName(n, name, &a);
-  if (st || a == nullptr) {
-    release(st);
-    return false;
-  }
-  size_t out = 0;
-  st = api().ReadOpAttr(a, ORT_OP_ATTR_FLOAT, v, sizeof(*v), &out);
-  if (st) {
-    release(st);
-    return false;
-  }
-  return true;
+  return read_scalar_attr(n, name, ORT_OP_ATTR_FLOAT, v);
 }
 
 bool node_attr_string(const OrtNode* n, const char* name, std::string* v) {
-  const OrtOpAttr* a = nullptr;
-  OrtStatus* st = api().Node_GetAttributeByName(n, name, &a);
-  if (st || a == nullptr) {
-    release(st);
-    return false;
-  }
+  const OrtOpAttr* a = find_attr(n, name);
+  if (a == nullptr) return false;
   size_t size = 0;
-  st = api().ReadOpAttr(a, ORT_OP_ATTR_STRING, nullptr, 0, &size);
+  OrtStatus* st = api().ReadOpAttr(a, ORT_OP_ATTR_STRING, nullptr, 0, &size);
   release(st);  // fails with the size needed
   std::string buf(size, '\0');
   st = api().ReadOpAttr(a, ORT_OP_ATTR_STRING, size ? &buf[0] : nullptr, size, &size);
