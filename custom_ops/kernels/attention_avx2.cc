@@ -16,6 +16,9 @@ struct Avx2 {
   static vf set1(float x) { return _mm256_set1_ps(x); }
   static vf load(const float* p) { return _mm256_loadu_ps(p); }
   static void store(float* p, vf v) { _mm256_storeu_ps(p, v); }
+  static vf load_i8(const int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
   static vf load_f16(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
   static vf load_bf16(const uint16_t* p) {
     const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));

@@ -72,7 +72,8 @@ int64_t scratch_floats(const AttentionGroup& a) {
   // multiple of 16, the same K/V tile, 32 probabilities per padded row (tiles of 32 keys), m/l/corr per padded row.
   // Plus the row path's scores of one chunk of 1024 keys (simd::kChunkKeys) for one row.
   const int64_t Rp = R + 16;
-  return Rp * (a.head_dim + 32 + 3) + 32 * (a.head_dim + a.v_head_dim) + a.head_dim + a.v_head_dim + 64 + 1024;
+  // Plus q times an int8 block's K scales, [R, head_dim] (row path on int8 codes).
+  return Rp * (2 * a.head_dim + 32 + 3) + 32 * (a.head_dim + a.v_head_dim) + a.head_dim + a.v_head_dim + 64 + 1024;
 }
 
 const char* isa_name(Isa isa) {

@@ -35,8 +35,15 @@ void attend_range_scalar(const AttentionGroup& a, int64_t key_begin, int64_t key
         visible_range(a, i, &lo, &hi);
         if (j < lo || j >= hi) continue;
         if (!loaded) {
-          to_float(a.dtype, static_cast<const char*>(kb.key) + row * D * es, kf, D);
-          to_float(a.dtype, static_cast<const char*>(kb.value) + row * Dv * es, vf, Dv);
+          if (kb.encoding == KVEncoding::kInt8) {
+            const int8_t* k8 = static_cast<const int8_t*>(kb.key) + row * D;
+            const int8_t* v8 = static_cast<const int8_t*>(kb.value) + row * Dv;
+            for (int64_t d = 0; d < D; ++d) kf[d] = static_cast<float>(k8[d]) * kb.key_scale[d];
+            for (int64_t d = 0; d < Dv; ++d) vf[d] = static_cast<float>(v8[d]) * kb.value_scale[row];
+          } else {
+            to_float(a.dtype, static_cast<const char*>(kb.key) + row * D * es, kf, D);
+            to_float(a.dtype, static_cast<const char*>(kb.value) + row * Dv * es, vf, Dv);
+          }
           loaded = true;
         }
         for (int64_t h = 0; h < G; ++h) {

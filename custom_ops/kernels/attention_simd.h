@@ -47,16 +47,20 @@ constexpr int64_t lanes_min_rows() {
   return V::W;
 }
 
+// Keys [key_begin, key_end) whose blocks all have encoding `enc`.
 template <class V>
-void attend_range(const AttentionGroup& a, int64_t key_begin, int64_t key_end, AttentionState* st, float* scratch) {
-  constexpr int W = V::W;
-  if (a.head_dim % W != 0 || a.v_head_dim % W != 0) {
-    attend_range_scalar(a, key_begin, key_end, st, scratch);
-    return;
-  }
+void attend_run(const AttentionGroup& a, int64_t key_begin, int64_t key_end, AttentionState* st, float* scratch,
+                KVEncoding enc) {
   const int64_t group_rows = a.group_size * std::min(a.num_valid_rows, a.num_rows);
   if (a.mask.kind == MaskKind::kNone && group_rows >= lanes_min_rows<V>()) {
-    attend_lanes<V>(a, key_begin, key_end, st, scratch);
+    attend_lanes<V>(a, key_begin, key_end, st, scratch, enc);
+    return;
+  }
+  if (enc != KVEncoding::kNative) {
+    // int8: few rows read the codes directly, scales folded into q and p (simd_rows.h); many
+    // rows dequantize each tile once (simd_common.h)
+    if (group_rows >= kConvertTileRows) attend_impl<V, LoadF32<V>, true>(a, key_begin, key_end, st, scratch, enc);
+    else attend_impl<V, LoadI8<V>, false>(a, key_begin, key_end, st, scratch, enc);
     return;
   }
   const bool tiles = group_rows >= kConvertTileRows;
@@ -72,6 +76,34 @@ void attend_range(const AttentionGroup& a, int64_t key_begin, int64_t key_end, A
       if (tiles) attend_impl<V, LoadBF16<V>, true>(a, key_begin, key_end, st, scratch);
       else attend_impl<V, LoadBF16<V>, false>(a, key_begin, key_end, st, scratch);
       return;
+  }
+}
+
+// Splits the key range into runs of blocks of one encoding (blocks are sorted and disjoint;
+// a (sequence, head) holds native sink pages, quantized cold pages, then native recent
+// pages), each run attended into the same online-softmax state: one pass in key order.
+template <class V>
+void attend_range(const AttentionGroup& a, int64_t key_begin, int64_t key_end, AttentionState* st, float* scratch) {
+  constexpr int W = V::W;
+  if (a.head_dim % W != 0 || a.v_head_dim % W != 0) {
+    attend_range_scalar(a, key_begin, key_end, st, scratch);
+    return;
+  }
+  int64_t b = 0;
+  while (b < a.num_blocks && a.blocks[b].encoding == KVEncoding::kNative) ++b;
+  if (b == a.num_blocks) {  // all native (contiguous and unquantized caches)
+    attend_run<V>(a, key_begin, key_end, st, scratch, KVEncoding::kNative);
+    return;
+  }
+  for (b = 0; b < a.num_blocks;) {
+    const KVEncoding enc = a.blocks[b].encoding;
+    int64_t e = b + 1;
+    while (e < a.num_blocks && a.blocks[e].encoding == enc) ++e;
+    // Run [b, e): from its first position (the first run from key_begin) to the next run's.
+    const int64_t lo = b == 0 ? key_begin : std::max(key_begin, a.blocks[b].first_position);
+    const int64_t hi = e == a.num_blocks ? key_end : std::min(key_end, a.blocks[e].first_position);
+    if (lo < hi) attend_run<V>(a, lo, hi, st, scratch, enc);
+    b = e;
   }
 }
 

@@ -20,6 +20,9 @@ struct Avx512 {
   static vf set1(float x) { return _mm512_set1_ps(x); }
   static vf load(const float* p) { return _mm512_loadu_ps(p); }
   static void store(float* p, vf v) { _mm512_storeu_ps(p, v); }
+  static vf load_i8(const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
   static vf load_f16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
   static vf load_bf16(const uint16_t* p) {
     const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));

@@ -45,6 +45,48 @@ inline void convert_rows(DType t, const void* src, int64_t n, int64_t cols, int6
   if (n < rows) std::memset(dst + n * cols, 0, static_cast<size_t>((rows - n) * cols) * sizeof(float));
 }
 
+// Rows [0, n) of int8 elements, `cols` per row, as float times col_scale[c] (per channel, or
+// null) times row_scale[r] (per row, or null); rows n..rows-1 zero (KVEncoding::kInt8).
+template <class V>
+inline void dequant_rows_i8(const int8_t* src, int64_t n, int64_t cols, int64_t rows, const float* col_scale,
+                            const float* row_scale, float* dst) {
+  constexpr int W = V::W;
+  for (int64_t r = 0; r < n; ++r) {
+    const int8_t* s = src + r * cols;
+    float* o = dst + r * cols;
+    if (col_scale) {
+      for (int64_t c = 0; c < cols; c += W) V::store(o + c, V::mul(V::load_i8(s + c), V::load(col_scale + c)));
+    } else {
+      const typename V::vf rs = V::set1(row_scale[r]);
+      for (int64_t c = 0; c < cols; c += W) V::store(o + c, V::mul(V::load_i8(s + c), rs));
+    }
+  }
+  if (n < rows) std::memset(dst + n * cols, 0, static_cast<size_t>((rows - n) * cols) * sizeof(float));
+}
+
+// The K (or V) rows of the cursor's current tile, n of them, as float in dst ([rows, cols],
+// rows n..rows-1 zero), whatever the block's encoding: the tile conversion of both paths.
+template <class V, class Cursor>
+inline void convert_k_tile(const AttentionGroup& a, const Cursor& c, int64_t n, int64_t rows, float* dst) {
+  const KVBlock& b = a.blocks[c.blk];
+  if (b.encoding == KVEncoding::kInt8)
+    dequant_rows_i8<V>(reinterpret_cast<const int8_t*>(c.krows), n, a.head_dim, rows, b.key_scale, nullptr, dst);
+  else
+    convert_rows<V>(a.dtype, c.krows, n, a.head_dim, rows, dst);
+}
+template <class V, class Cursor>
+inline void convert_v_tile(const AttentionGroup& a, const Cursor& c, int64_t n, int64_t rows, float* dst) {
+  const KVBlock& b = a.blocks[c.blk];
+  if (b.encoding == KVEncoding::kInt8)
+    dequant_rows_i8<V>(reinterpret_cast<const int8_t*>(c.vrows), n, a.v_head_dim, rows, nullptr,
+                       b.value_scale + (c.j0 - b.first_position), dst);
+  else
+    convert_rows<V>(a.dtype, c.vrows, n, a.v_head_dim, rows, dst);
+}
+
+// Bytes of one stored element of a run of blocks in `enc` (the tile cursor's row addressing).
+inline size_t stored_elem_bytes(DType t, KVEncoding enc) { return enc == KVEncoding::kInt8 ? 1 : dtype_size(t); }
+
 // How the inner loops read K/V rows of a storage type (converted to float on load).
 template <class V>
 struct LoadF32 {
@@ -55,6 +97,13 @@ template <class V>
 struct LoadF16 {
   using elem = uint16_t;
   static typename V::vf load(const uint16_t* p) { return V::load_f16(p); }
+};
+// int8 codes (KVEncoding::kInt8) without their scales: the row path folds the K scales into q
+// (per block) and the V scales into the probabilities (per key), so the loops see codes only.
+template <class V>
+struct LoadI8 {
+  using elem = int8_t;
+  static typename V::vf load(const int8_t* p) { return V::load_i8(p); }
 };
 template <class V>
 struct LoadBF16 {

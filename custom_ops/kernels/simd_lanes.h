@@ -25,7 +25,8 @@ namespace simd {
 
 // Scratch: scratch_floats() in attention_common.cc covers the layout below.
 template <class V>
-void attend_lanes(const AttentionGroup& a, int64_t key_begin, int64_t key_end, AttentionState* st, float* scratch) {
+void attend_lanes(const AttentionGroup& a, int64_t key_begin, int64_t key_end, AttentionState* st, float* scratch,
+                  KVEncoding enc = KVEncoding::kNative) {
   using vf = typename V::vf;
   constexpr int W = V::W;
   constexpr int TK = kLaneTileKeys;     // keys per tile
@@ -48,7 +49,7 @@ void attend_lanes(const AttentionGroup& a, int64_t key_begin, int64_t key_end, A
   // qt2[i][r] = (q[r][2i], q[r][2i+1]) in one 32-bit lane, unscaled, and each score vector is
   // one dot_bf16 per pair of K elements (broadcast as one 32-bit value from the raw K row).
   constexpr bool kDotLevel = V::kBf16Dot;
-  const bool dot = kDotLevel && a.dtype == DType::kBFloat16 && D % 2 == 0;
+  const bool dot = kDotLevel && enc == KVEncoding::kNative && a.dtype == DType::kBFloat16 && D % 2 == 0;
   uint32_t* qt2 = reinterpret_cast<uint32_t*>(qt);  // [D / 2, Rp] when dot
   std::fill(qt, qt + D * Rp, 0.0f);
   for (int64_t h = 0; h < G; ++h)
@@ -85,7 +86,7 @@ void attend_lanes(const AttentionGroup& a, int64_t key_begin, int64_t key_end, A
     return bits;
   };
   const int64_t nblocks = Rp / W;
-  const size_t es = dtype_size(a.dtype);
+  const size_t es = stored_elem_bytes(a.dtype, enc);
   const vf neg_inf = V::set1(-INFINITY);
   TilePrefetch pf;
   // pf.step() calls per tile: every other score-loop iteration, then one per key per P.V call
@@ -109,16 +110,16 @@ void attend_lanes(const AttentionGroup& a, int64_t key_begin, int64_t key_end, A
         std::memset(raw + n * D, 0, static_cast<size_t>((TK - n) * D) * sizeof(uint16_t));
         kraw = raw;
       }
-    } else if (a.dtype == DType::kFloat32 && n == TK) {
+    } else if (a.dtype == DType::kFloat32 && enc == KVEncoding::kNative && n == TK) {
       kp = reinterpret_cast<const float*>(krows);
-    } else {  // convert, or pad a partial tile with zeros (K rows >= n must not be read)
-      convert_rows<V>(a.dtype, krows, n, D, TK, ktile);
+    } else {  // convert (dequantize), or pad a partial tile with zeros (K rows >= n must not be read)
+      convert_k_tile<V>(a, tc, n, TK, ktile);
       kp = ktile;
     }
-    if (a.dtype == DType::kFloat32) {
+    if (a.dtype == DType::kFloat32 && enc == KVEncoding::kNative) {
       vp = reinterpret_cast<const float*>(vrows);  // only rows < n are read
     } else {
-      convert_rows<V>(a.dtype, vrows, n, Dv, n, vtile);
+      convert_v_tile<V>(a, tc, n, n, vtile);
       vp = vtile;
     }
 

@@ -66,9 +66,11 @@ OLEP_COLD_REGS void scores_row_walk(const typename Dot::qelem* q, int64_t D, con
 }
 
 // L: how K/V storage is read; kTiles: convert each K/V tile to float once (shared by
-// every query row of the group) instead of converting on every load.
+// every query row of the group) instead of converting on every load. enc: the encoding of
+// every block in [key_begin, key_end) (quantized runs take kTiles, attention_simd.h).
 template <class V, class L, bool kTiles>
-void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, AttentionState* st, float* scratch) {
+void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, AttentionState* st, float* scratch,
+                 KVEncoding enc = KVEncoding::kNative) {
   using vf = typename V::vf;
   using KL = std::conditional_t<kTiles, LoadF32<V>, L>;  // how the loops below load K/V
   using KE = typename KL::elem;
@@ -82,6 +84,9 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
   float* corr = vtile + W * Dv;     // [R]
   float* lsum = corr + R;           // [R, W] lane-wise sums of p, folded into st->l at the end
   float* pchunk = lsum + R * W;     // [chunk tiles, R, W] scores, then probabilities
+  // int8 codes loaded directly (L = LoadI8): q times the block's K scales, per block
+  constexpr bool kCodes = std::is_same<L, LoadI8<V>>::value && !kTiles;
+  float* qs = pchunk + (kChunkKeys > R * W ? kChunkKeys : R * W);  // [R, D] when kCodes
 
   const bool capped = a.softcap > 0.0f;
   // bfloat16 q . k by VDPBF16PS (levels that have it, head_dim a multiple of 2 * W, at least
@@ -91,7 +96,7 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
   // (memory-bound there: the full-line K loads of the dot loop stream worse), so 1-2 rows
   // keep the converting loads.
   constexpr bool kDotLevel = V::kBf16Dot && std::is_same<L, LoadBF16<V>>::value && !kTiles;
-  const bool dot = kDotLevel && D % (2 * W) == 0 && G * valid >= 3;
+  const bool dot = kDotLevel && enc == KVEncoding::kNative && D % (2 * W) == 0 && G * valid >= 3;
   uint16_t* qb = reinterpret_cast<uint16_t*>(qf);  // [R, D] raw bf16 when dot
   if (dot) {
     for (int64_t h = 0; h < G; ++h)
@@ -121,7 +126,7 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
   if (kmin >= kmax) return;
 
   const float lowest = detail::lowest_of(a.mask.dtype);
-  const size_t es = dtype_size(a.dtype);
+  const size_t es = stored_elem_bytes(a.dtype, enc);
   const MaskView& mk = a.mask;
   std::fill(lsum, lsum + R * W, 0.0f);
   TilePrefetch pf;
@@ -148,9 +153,12 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
   // prefetch of the next tile covers page starts.
   TileCursor kc{a, kmin, kmax, W, es};  // the scores pass
   TileCursor vc{a, kmin, kmax, W, es};  // the softmax + P.V pass, over the same tiles
+  int64_t scaled_blk = -1;              // kCodes: the block whose K scales qs holds
+  const float* qk = qf;                 // the q rows the score loops read
   for (bool more = kc.next(); more;) {
     const int64_t chunk_block = kc.blk;
-    const int chunk_tiles = row_count == 1 && a.blocks[chunk_block].num_rows <= kChunkKeys ? kChunkKeys / W : 1;
+    // (R == 1: the chunk's scores are laid out [tiles, R, W]; scratch_floats sizes them for one row)
+    const int chunk_tiles = R == 1 && row_count == 1 && a.blocks[chunk_block].num_rows <= kChunkKeys ? kChunkKeys / W : 1;
     int tiles = 0;
     for (; more && tiles < chunk_tiles && kc.blk == chunk_block; more = kc.next(), ++tiles) {
       const int64_t n = kc.n;
@@ -163,9 +171,22 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
       // prefetch measured slower there.
       pf.reset(nullptr, 0, nullptr, 0, 1);
       if (row_count >= 2) pf.reset_next(kc, D * es, Dv * es, tile_steps);
+      if constexpr (kCodes) {
+        if (kc.blk != scaled_blk) {  // q . (code * scale) = (q * scale) . code, per channel
+          const float* ks = a.blocks[kc.blk].key_scale;
+          for (int64_t h = 0; h < G; ++h)
+            for (int64_t i = 0; i < valid; ++i) {
+              const int64_t r = h * S + i;
+              for (int64_t d = 0; d < D; d += W)
+                V::store(qs + r * D + d, V::mul(V::load(qf + r * D + d), V::load(ks + d)));
+            }
+          scaled_blk = kc.blk;
+          qk = qs;
+        }
+      }
       const KE* kp;
       if constexpr (kTiles) {
-        convert_rows<V>(a.dtype, krows, n, D, W, ktile);
+        convert_k_tile<V>(a, kc, n, W, ktile);
         kp = ktile;
       } else {
         if (n == W) {
@@ -194,9 +215,9 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
             }
           }
           using Dot = FloatDot<V, KL>;
-          if (cnt == 4) scores_rows<V, Dot, 4>(qf, D, kp, rows, ptile, &pf);
-          else if (cnt >= 2) scores_rows<V, Dot, 2>(qf, D, kp, rows, ptile, &pf);
-          else scores_row_walk<V, Dot>(qf + rows[0] * D, D, kp, ptile + rows[0] * W, &pf);
+          if (cnt == 4) scores_rows<V, Dot, 4>(qk, D, kp, rows, ptile, &pf);
+          else if (cnt >= 2) scores_rows<V, Dot, 2>(qk, D, kp, rows, ptile, &pf);
+          else scores_row_walk<V, Dot>(qk + rows[0] * D, D, kp, ptile + rows[0] * W, &pf);
         };
         for (int64_t i = 0; i < valid; ++i)
           for (int64_t h = 0; h < G; ++h) {
@@ -223,10 +244,24 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
       float* ptile = pchunk + t * R * W;
       const KE* vp;
       if constexpr (kTiles) {
-        convert_rows<V>(a.dtype, vc.vrows, n, Dv, W, vtile);
+        convert_v_tile<V>(a, vc, n, W, vtile);
         vp = vtile;
       } else {
         vp = reinterpret_cast<const KE*>(vc.vrows);  // only rows < n are read
+      }
+
+      // kCodes: the V scales of this tile's keys, folded into the probabilities below
+      vf vscale = V::zero();
+      if constexpr (kCodes) {
+        const KVBlock& vb = a.blocks[vc.blk];
+        const float* vs = vb.value_scale + (j0 - vb.first_position);
+        if (n == W) {
+          vscale = V::load(vs);
+        } else {  // the last tile of a block: scales past its rows must not be read
+          alignas(64) float part[W] = {};
+          for (int64_t t = 0; t < n; ++t) part[t] = vs[t];
+          vscale = V::load(part);
+        }
       }
 
       // ---- online softmax, row by row ----
@@ -309,7 +344,9 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
           const vf p = V::select(live, V::exp(V::sub(s, V::set1(m_ref))), V::set1(kUnseen));
           V::store(lsum + r * W, V::add(V::load(lsum + r * W), p));
           corr[r] = c;
-          V::store(prow, p);
+          // kCodes: p * scale[key] weights the V codes (an unseen -0 stays -0: scales are >= 0)
+          if constexpr (kCodes) V::store(prow, V::mul(p, vscale));
+          else V::store(prow, p);
           any = true;
         }
       }

@@ -577,9 +577,106 @@ void pages_match_one_block() {
       }
 }
 
+// int8 blocks (KVEncoding::kInt8: per-channel K scales, per-row V scales) mixed with native
+// float32 blocks of one (sequence, head) give what the same values dequantized into one native
+// block give, on the row path (1 and 4 rows) and the lanes path (32 rows), with a ragged end.
+void int8_blocks_match_dequantized() {
+  const int64_t D = 32, T = 300, P = 64;
+  for (int64_t G : {1, 4, 32}) {
+    std::mt19937 rng(static_cast<uint32_t>(40 + G));
+    std::normal_distribution<float> nd;
+    std::uniform_int_distribution<int> code(-127, 127);
+    std::vector<float> q(static_cast<size_t>(G * D)), kd(static_cast<size_t>(T * D)), vd(kd.size());
+    for (auto& x : q) x = nd(rng);
+    std::vector<int8_t> k8(kd.size()), v8(kd.size());
+    std::vector<float> ks(static_cast<size_t>((T / P + 1) * D)), vs(static_cast<size_t>(T));
+    for (auto& x : ks) x = 0.01f + 0.05f * std::fabs(nd(rng));
+    for (auto& x : vs) x = 0.01f + 0.05f * std::fabs(nd(rng));
+    std::vector<float> kn(kd.size()), vn(kd.size());  // native rows (blocks 0 and the last)
+    for (auto& x : kn) x = nd(rng);
+    for (auto& x : vn) x = nd(rng);
+    std::vector<KVBlock> mixed;
+    for (int64_t s0 = 0, blk = 0; s0 < T; s0 += P, ++blk) {
+      const int64_t n = std::min(P, T - s0);
+      const bool quant = blk == 1 || blk == 2 || blk == 3;
+      for (int64_t r = s0; r < s0 + n; ++r)
+        for (int64_t d = 0; d < D; ++d) {
+          const size_t i = static_cast<size_t>(r * D + d);
+          if (quant) {
+            k8[i] = static_cast<int8_t>(code(rng));
+            v8[i] = static_cast<int8_t>(code(rng));
+            kd[i] = static_cast<float>(k8[i]) * ks[static_cast<size_t>(blk * D + d)];
+            vd[i] = static_cast<float>(v8[i]) * vs[static_cast<size_t>(r)];
+          } else {
+            kd[i] = kn[i];
+            vd[i] = vn[i];
+          }
+        }
+      KVBlock b{nullptr, nullptr, s0, n};
+      if (quant) {
+        b.key = k8.data() + s0 * D;
+        b.value = v8.data() + s0 * D;
+        b.encoding = KVEncoding::kInt8;
+        b.key_scale = ks.data() + blk * D;
+        b.value_scale = vs.data() + s0;
+      } else {
+        b.key = kn.data() + s0 * D;
+        b.value = vn.data() + s0 * D;
+      }
+      mixed.push_back(b);
+    }
+    const KVBlock one{kd.data(), vd.data(), 0, T};
+    auto run = [&](const KVBlock* blocks, int64_t nb) {
+      std::vector<float> out(static_cast<size_t>(G * D));
+      AttentionGroup a;
+      a.dtype = DType::kFloat32;
+      a.q = q.data(); a.q_head_stride = D; a.q_row_stride = D;
+      a.out = out.data(); a.out_head_stride = D; a.out_row_stride = D;
+      a.group_size = G; a.num_rows = 1; a.num_valid_rows = 1; a.q_offset = T - 1; a.num_keys = T;
+      a.blocks = blocks; a.num_blocks = nb;
+      a.head_dim = D; a.v_head_dim = D; a.scale = 0.3f; a.is_causal = true;
+      std::vector<float> scratch(static_cast<size_t>(attend_group_floats(a)));
+      attend_group(a, scratch.data());
+      return out;
+    };
+    const std::vector<float> want = run(&one, 1), got = run(mixed.data(), static_cast<int64_t>(mixed.size()));
+    for (size_t i = 0; i < want.size(); ++i) CHECK_NEAR(got[i], want[i], 1e-5 + 1e-5 * std::fabs(want[i]));
+  }
+}
+
+// One valid row among padding rows (a ragged multi-row step, MHA): the row path must not take
+// the one-row page chunk, whose scores scratch_floats sizes for a single row (ASan: overflow).
+void one_valid_row_among_padding() {
+  const int64_t D = 16, T = 1024, P = 256;
+  std::mt19937 rng(91);
+  std::normal_distribution<float> nd;
+  std::vector<float> q(static_cast<size_t>(16 * D)), k(static_cast<size_t>(T * D)), v(k.size());
+  for (auto* x : {&q, &k, &v})
+    for (auto& f : *x) f = nd(rng);
+  std::vector<KVBlock> blocks;
+  for (int64_t s0 = 0; s0 < T; s0 += P) blocks.push_back(KVBlock{k.data() + s0 * D, v.data() + s0 * D, s0, P});
+  auto run = [&](int64_t rows) {
+    std::vector<float> out(static_cast<size_t>(rows * D), 7.0f);
+    AttentionGroup a;
+    a.dtype = DType::kFloat32;
+    a.q = q.data(); a.q_head_stride = rows * D; a.q_row_stride = D;
+    a.out = out.data(); a.out_head_stride = rows * D; a.out_row_stride = D;
+    a.num_rows = rows; a.num_valid_rows = 1; a.q_offset = T - 1; a.num_keys = T;
+    a.blocks = blocks.data(); a.num_blocks = static_cast<int64_t>(blocks.size());
+    a.head_dim = D; a.v_head_dim = D; a.scale = 0.25f; a.is_causal = true;
+    std::vector<float> scratch(static_cast<size_t>(attend_group_floats(a)));
+    attend_group(a, scratch.data());
+    return std::vector<float>(out.begin(), out.begin() + D);
+  };
+  const std::vector<float> one = run(1), padded = run(16);
+  for (int64_t d = 0; d < D; ++d) CHECK_NEAR(padded[static_cast<size_t>(d)], one[static_cast<size_t>(d)], 1e-6);
+}
+
 }  // namespace
 
 void run_all() {
+  int8_blocks_match_dequantized();
+  one_valid_row_among_padding();
   uint32_t seed = 1;
   for (int64_t G : {1, 4})
     for (int64_t S : {1, 5})
