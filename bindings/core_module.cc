@@ -82,6 +82,9 @@ py::dict info(int64_t h) {
   d["page_tokens"] = g.page_tokens;
   d["sliding_window"] = g.sliding_window;
   d["rollback_tokens"] = g.rollback_tokens;
+  d["kv_quant"] = olep::kv_quant_name(g.kv_quant);
+  d["recent_tokens"] = g.recent_tokens;
+  d["sink_tokens"] = g.sink_tokens;
   return d;
 }
 
@@ -100,6 +103,9 @@ py::dict stats(int64_t h) {
   d["bytes_appended"] = s.bytes_appended;
   d["bytes_copied"] = s.bytes_copied;
   d["num_appends"] = s.num_appends;
+  d["quantized_bytes"] = s.quantized_bytes;
+  d["native_bytes"] = s.native_bytes;
+  d["scale_bytes"] = s.scale_bytes;
   return d;
 }
 
@@ -216,7 +222,8 @@ PYBIND11_MODULE(_core, m) {
       "create",
       [](int64_t num_layers, int64_t batch_size, int64_t kv_num_heads, int64_t head_dim, int64_t v_head_dim,
          const std::string& dtype, int64_t max_sequence_length, int64_t memory_limit_bytes, int64_t page_tokens,
-         int64_t pool, const std::vector<int64_t>& sliding_window, int64_t rollback_tokens) {
+         int64_t pool, const std::vector<int64_t>& sliding_window, int64_t rollback_tokens,
+         const std::string& kv_quant, int64_t recent_tokens, int64_t sink_tokens) {
         CacheGeometry g;
         g.num_layers = num_layers;
         g.batch_size = batch_size;
@@ -229,6 +236,9 @@ PYBIND11_MODULE(_core, m) {
         g.page_tokens = page_tokens > 0 ? page_tokens : olep::default_page_tokens(head_dim, v_head_dim, g.dtype);
         g.sliding_window = sliding_window;
         g.rollback_tokens = rollback_tokens;
+        g.kv_quant = olep::parse_kv_quant(kv_quant);
+        g.recent_tokens = recent_tokens;
+        g.sink_tokens = sink_tokens;
         return call("KVCache", [&] {
           std::shared_ptr<olep::PagePool> p = pool ? Registry::instance().pool(pool) : nullptr;
           return Registry::instance().add_cache(std::make_shared<KVCache>(g, p));
@@ -236,7 +246,8 @@ PYBIND11_MODULE(_core, m) {
       },
       py::arg("num_layers"), py::arg("batch_size"), py::arg("kv_num_heads"), py::arg("head_dim"),
       py::arg("v_head_dim"), py::arg("dtype"), py::arg("max_sequence_length"), py::arg("memory_limit_bytes"),
-      py::arg("page_tokens"), py::arg("pool"), py::arg("sliding_window"), py::arg("rollback_tokens"));
+      py::arg("page_tokens"), py::arg("pool"), py::arg("sliding_window"), py::arg("rollback_tokens"),
+      py::arg("kv_quant") = "none", py::arg("recent_tokens") = 0, py::arg("sink_tokens") = 0);
   m.def(
       "default_page_tokens",
       [](int64_t head_dim, int64_t v_head_dim, const std::string& dtype) {

@@ -122,6 +122,17 @@ class KVCache(NativeHandle):
             Positions stay absolute.
         rollback_tokens: int >= 0, how many positions beyond the window a
             sliding-window layer keeps so :meth:`truncate` can go back that far.
+        kv_quant: None (every page in ``dtype``) or ``"int8"``: pages whose
+            positions all lie before ``seq_len - recent_tokens`` (and at or after
+            ``sink_tokens``) are quantized once, when a step commits, to int8
+            with scales computed from the page's own rows (no calibration): K
+            per (page, channel), V per (page, token), symmetric (docs/API.md,
+            "Quantized pages"). Attention dequantizes inside its tile loads;
+            :meth:`export` and ``CacheExport`` return dequantized values.
+        recent_tokens: int >= 0, newest positions kept in ``dtype`` (default
+            128; the partly filled last page is always native).
+        sink_tokens: int >= 0, first positions kept in ``dtype`` (attention
+            sinks; default 4), rounded up to whole pages.
 
     Errors:
         ``ValueError`` for a bad argument (the text names it and the expected
@@ -161,6 +172,9 @@ class KVCache(NativeHandle):
         page_tokens: Optional[int] = None,
         sliding_window: Union[None, int, Sequence[Optional[int]]] = None,
         rollback_tokens: int = 0,
+        kv_quant: Optional[str] = None,
+        recent_tokens: int = 128,
+        sink_tokens: int = 4,
     ) -> None:
         self._h: Optional[int] = None
         self._info: Dict[str, Any] = {}
@@ -190,6 +204,10 @@ class KVCache(NativeHandle):
         page_tokens = as_int(page_tokens, where, "page_tokens")
         windows = _windows(sliding_window, num_layers, where)
         rollback_tokens = as_int(rollback_tokens, where, "rollback_tokens")
+        if kv_quant not in (None, "int8"):
+            raise ValueError(f"{where}: kv_quant must be None or 'int8', got {kv_quant!r}")
+        recent_tokens = as_int(recent_tokens, where, "recent_tokens")
+        sink_tokens = as_int(sink_tokens, where, "sink_tokens")
         h = _core.create(
             num_layers,
             batch_size,
@@ -203,6 +221,9 @@ class KVCache(NativeHandle):
             pool._live(where) if pool is not None else 0,
             windows,
             rollback_tokens,
+            kv_quant or "none",
+            recent_tokens,
+            sink_tokens,
         )
         self._adopt(h, pool)
 
@@ -249,7 +270,8 @@ class KVCache(NativeHandle):
                 ``max(L, max_sequence_length)`` (``None``: ``L``).
             memory_limit_bytes: as in the constructor.
             options: ``pool``, ``page_tokens``, ``sliding_window``,
-                ``rollback_tokens`` as in the constructor.
+                ``rollback_tokens``, ``kv_quant``, ``recent_tokens``,
+                ``sink_tokens`` as in the constructor.
 
         Returns:
             A new ``KVCache`` with ``num_layers = len(keys)``, geometry taken
@@ -342,7 +364,8 @@ class KVCache(NativeHandle):
                 ``onnx_light.max_position`` (rotary table length) when recorded.
             memory_limit_bytes: as in the constructor.
             options: ``pool``, ``page_tokens``, ``sliding_window``,
-                ``rollback_tokens`` as in the constructor.
+                ``rollback_tokens``, ``kv_quant``, ``recent_tokens``,
+                ``sink_tokens`` as in the constructor.
 
         Raises:
             ValueError: not a converted model, or ``max_sequence_length`` is None
@@ -463,6 +486,22 @@ class KVCache(NativeHandle):
         return [int(x) if x > 0 else None for x in w] if w else None
 
     @property
+    def kv_quant(self) -> Optional[str]:
+        """Cold-page quantization: None or ``"int8"`` (read-only)."""
+        q = self._geom("kv_quant")
+        return None if q == "none" else str(q)
+
+    @property
+    def recent_tokens(self) -> int:
+        """Newest positions kept in the cache dtype when ``kv_quant`` is set (read-only)."""
+        return int(self._geom("recent_tokens"))
+
+    @property
+    def sink_tokens(self) -> int:
+        """First positions kept in the cache dtype when ``kv_quant`` is set (read-only)."""
+        return int(self._geom("sink_tokens"))
+
+    @property
     def rollback_tokens(self) -> int:
         """Positions sliding-window layers keep beyond the window, for truncate (int)."""
         return int(self._geom("rollback_tokens"))
@@ -498,6 +537,9 @@ class KVCache(NativeHandle):
         bytes of already-cached rows copied (copy-on-write of a shared page's
         valid rows; export); fork, reorder, checkpoint and a decode step into a
         private page add 0. ``num_appends``: committed steps.
+        ``quantized_bytes``: int8 K/V bytes of its quantized pages,
+        ``scale_bytes``: their scales, ``native_bytes``: its pages in the cache
+        dtype (``kv_quant``; committed = native + quantized + scales + padding).
         """
         return dict(_core.stats(self._live("KVCache.stats")))
 

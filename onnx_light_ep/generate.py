@@ -91,7 +91,8 @@ def generate(model, prompt: Union[str, Sequence[str], None] = None, *,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: Optional[int] = None,
              eos_token_ids: Optional[Sequence[int]] = None, tokenizer_dir: Optional[str] = None,
              stream: Optional[Callable[[str], None]] = None, progress: bool = False, session=None,
-             threads: Optional[int] = None, provider_options=None) -> GenerateResult:
+             threads: Optional[int] = None, provider_options=None,
+             cache_options: Optional[dict] = None) -> GenerateResult:
     """Generate from a converted model (``onnx_light_ep.convert``) on the EP.
 
     Args:
@@ -105,6 +106,8 @@ def generate(model, prompt: Union[str, Sequence[str], None] = None, *,
         stream: called with each new piece of row 0's text (needs a tokenizer).
         progress: tqdm bar (or stderr lines) when not streaming.
         session: an existing EP session of ``model`` to reuse.
+        cache_options: keyword arguments for the run's :class:`KVCache`
+            (``KVCache.for_model``), e.g. ``{"kv_quant": "int8"}``.
 
     Returns:
         :class:`GenerateResult`.
@@ -170,7 +173,8 @@ def generate(model, prompt: Union[str, Sequence[str], None] = None, *,
         prefill_s = decode_s = 0.0
         steps = 0
         tick = _Progress(max_new_tokens, progress and stream is None)
-        with KVCache.for_model(session, len(rows), state.total_length + max_new_tokens) as cache:
+        with KVCache.for_model(session, len(rows), state.total_length + max_new_tokens,
+                               **(cache_options or {})) as cache:
             for step in range(max_new_tokens):
                 feeds = dict(state.feeds(session), **{meta["cache_input"]: cache.handle})
                 if pasts is not None:

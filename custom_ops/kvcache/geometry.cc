@@ -15,6 +15,20 @@ void in_range(int64_t v, int64_t lo, int64_t hi, const char* name) {
 
 }  // namespace
 
+const char* kv_quant_name(KVQuant q) {
+  switch (q) {
+    case KVQuant::kNone: return "none";
+    case KVQuant::kInt8: return "int8";
+  }
+  return "unknown";
+}
+
+KVQuant parse_kv_quant(const std::string& s) {
+  if (s.empty() || s == "none") return KVQuant::kNone;
+  if (s == "int8") return KVQuant::kInt8;
+  throw std::invalid_argument("kv_quant must be None or 'int8'; got '" + s + "'");
+}
+
 int64_t default_page_tokens(int64_t head_dim, int64_t v_head_dim, DType dtype) {
   in_range(head_dim, 1, 4096, "head_dim");
   in_range(v_head_dim, 1, 4096, "v_head_dim");
@@ -46,6 +60,10 @@ void CacheGeometry::validate() const {
       throw std::invalid_argument("sliding_window[" + str(static_cast<int64_t>(l)) + "] must be 0 (none) or in [1, " +
                                   "16777216]; got " + str(sliding_window[l]));
   in_range(rollback_tokens, 0, max_sequence_length, "rollback_tokens");
+  if (kv_quant != KVQuant::kNone && kv_quant != KVQuant::kInt8)
+    throw std::invalid_argument("kv_quant must be none or int8; got " + str(static_cast<int64_t>(kv_quant)));
+  in_range(recent_tokens, 0, int64_t{1} << 24, "recent_tokens");
+  in_range(sink_tokens, 0, int64_t{1} << 24, "sink_tokens");
 }
 
 }  // namespace olep

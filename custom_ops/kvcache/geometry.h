@@ -4,6 +4,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "common/dtype.h"
@@ -26,6 +27,13 @@ constexpr int64_t kDefaultPageTokens = 128;
 /// page_tokens must be a multiple of this (the kernels' key tile, so tiles end on page ends).
 constexpr int64_t kPageTokenMultiple = 32;
 
+/// Quantization of cold pages (docs/API.md, "Quantized pages"): kNone keeps every page in the
+/// cache dtype; kInt8 stores pages that left the recent window as int8 with per-page scales.
+enum class KVQuant : int { kNone = 0, kInt8 = 1 };
+const char* kv_quant_name(KVQuant q);
+/// "none" (or ""), "int8"; std::invalid_argument naming the accepted values otherwise.
+KVQuant parse_kv_quant(const std::string& s);
+
 /// Shape, limits and policies of a cache. Counts are >= 1 unless noted.
 struct CacheGeometry {
   int64_t num_layers = 0;
@@ -41,6 +49,12 @@ struct CacheGeometry {
   /// before seq_len - W - rollback_tokens (whole pages). Empty = no layer evicts.
   std::vector<int64_t> sliding_window;
   int64_t rollback_tokens = 0;      // >= 0: positions kept beyond the window for truncate
+  /// Cold-page quantization: a block whose positions all lie at or after sink_tokens and before
+  /// seq_len - recent_tokens is quantized when a step commits (whole pages: a page holding any
+  /// sink position stays native).
+  KVQuant kv_quant = KVQuant::kNone;
+  int64_t recent_tokens = 0;        // >= 0: newest positions kept native
+  int64_t sink_tokens = 0;          // >= 0: first positions kept native (attention sinks)
 
   /// Throws std::invalid_argument naming the first bad field and its accepted range.
   void validate() const;
@@ -57,6 +71,16 @@ struct CacheGeometry {
   int64_t page_bytes() const { return page_tokens * (head_dim + v_head_dim) * static_cast<int64_t>(elem_bytes()); }
   /// Offset of the V rows within a page.
   int64_t value_offset() const { return page_tokens * head_dim * static_cast<int64_t>(elem_bytes()); }
+  /// Bytes of one int8 page: K [page_tokens, head_dim] int8, V [page_tokens, v_head_dim] int8,
+  /// K scales float [head_dim], V scales float [page_tokens]; rounded up to 64.
+  int64_t quant_page_bytes() const {
+    const int64_t b = page_tokens * (head_dim + v_head_dim) + 4 * (head_dim + page_tokens);
+    return (b + 63) / 64 * 64;
+  }
+  int64_t quant_value_offset() const { return page_tokens * head_dim; }
+  int64_t quant_scale_offset() const { return page_tokens * (head_dim + v_head_dim); }
+  /// First block that may be quantized (blocks holding a sink position stay native).
+  int64_t first_quant_block() const { return (sink_tokens + page_tokens - 1) / page_tokens; }
   /// K+V bytes of one position over all kv heads of one layer.
   int64_t row_bytes() const { return kv_num_heads * (head_dim + v_head_dim) * static_cast<int64_t>(elem_bytes()); }
 };

@@ -12,6 +12,7 @@
 
 #include "kvcache/errors.h"
 #include "kvcache/policies.h"
+#include "kvcache/quantize.h"
 
 namespace olep {
 namespace {
@@ -61,11 +62,11 @@ std::vector<int64_t> KVCache::first_positions() const {
 }
 
 CacheStats KVCache::stats_locked() const {
-  const int64_t B = g_.batch_size, H = g_.kv_num_heads, P = g_.page_tokens, pb = g_.page_bytes();
+  const int64_t B = g_.batch_size, H = g_.kv_num_heads, P = g_.page_tokens;
   CacheStats s;
   s.reserved_bytes = step_ ? step_->reserved_bytes() : 0;
   s.num_pages = content_.holds.size();
-  s.committed_bytes = s.num_pages * pb;
+  s.committed_bytes = content_.holds.bytes();
   // Valid rows of each unique page: the most any table holding it uses.
   std::unordered_map<const Page*, int64_t> rows;
   for (int64_t l = 0; l < g_.num_layers; ++l)
@@ -80,14 +81,23 @@ CacheStats KVCache::stats_locked() const {
         }
       }
     }
-  for (const auto& kv : rows)
-    s.live_bytes += kv.second * (g_.head_dim + g_.v_head_dim) * static_cast<int64_t>(g_.elem_bytes());
+  for (const auto& kv : rows) {
+    if (kv.first->encoding == static_cast<uint8_t>(KVEncoding::kInt8)) {
+      // int8 rows and their scales (a quantized page is always full)
+      s.live_bytes += kv.second * (g_.head_dim + g_.v_head_dim) + 4 * (g_.head_dim + kv.second);
+      s.quantized_bytes += P * (g_.head_dim + g_.v_head_dim);
+      s.scale_bytes += 4 * (g_.head_dim + P);
+    } else {
+      s.live_bytes += kv.second * (g_.head_dim + g_.v_head_dim) * static_cast<int64_t>(g_.elem_bytes());
+      s.native_bytes += kv.first->bytes;
+    }
+  }
   std::vector<const Page*> pages;
   content_.holds.for_each([&](const Page* p, uint32_t) { pages.push_back(p); });
   std::vector<uint32_t> refs(pages.size());
   if (!pages.empty()) pool_->refs(pages.data(), pages.size(), refs.data());
   for (size_t i = 0; i < pages.size(); ++i)
-    if (refs[i] > 1) s.shared_bytes += pb;
+    if (refs[i] > 1) s.shared_bytes += pages[i]->bytes;
   // Pages only this cache's checkpoints hold: not in its tables, and every reference the pool
   // counts for them comes from those checkpoints (no other cache or checkpoint holds them).
   std::unordered_map<const Page*, uint32_t> cp_refs;
@@ -101,7 +111,7 @@ CacheStats KVCache::stats_locked() const {
   std::vector<uint32_t> cp_pool_refs(cp_pages.size());
   if (!cp_pages.empty()) pool_->refs(cp_pages.data(), cp_pages.size(), cp_pool_refs.data());
   for (size_t i = 0; i < cp_pages.size(); ++i)
-    if (cp_pool_refs[i] == cp_refs[cp_pages[i]]) s.checkpoint_bytes += pb;
+    if (cp_pool_refs[i] == cp_refs[cp_pages[i]]) s.checkpoint_bytes += cp_pages[i]->bytes;
   s.page_table_bytes = static_cast<int64_t>(content_.tables.size() * sizeof(PageTable));
   for (const PageTable& t : content_.tables) s.page_table_bytes += static_cast<int64_t>(t.pages.size() * sizeof(Page*));
   s.fragmentation_bytes = s.committed_bytes - s.live_bytes;
@@ -209,13 +219,41 @@ void KVCache::truncate_locked(const std::vector<int64_t>& lengths) {
                                   str(g_.rollback_tokens) + " sets how far a truncate can go); got " + str(n));
   }
   refuse_if_busy_locked("truncate");
+  // A cut inside a quantized page: its kept rows move to a native page (dequantized, rounded to
+  // the cache dtype), so later appends write native rows. Allocated before any change.
+  auto quantized_tail = [&](const PageTable& t, int64_t n, int64_t h) -> Page* {
+    if (n % P == 0 || n / P < t.first_block || n / P >= t.end_block(H)) return nullptr;
+    Page* pg = t.at(n / P, h, H);
+    return pg->encoding == static_cast<uint8_t>(KVEncoding::kInt8) ? pg : nullptr;
+  };
+  int64_t need = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t n = lengths[static_cast<size_t>(b)];
+    if (n == content_.lens[static_cast<size_t>(b)]) continue;
+    for (int64_t l = 0; l < g_.num_layers; ++l)
+      for (int64_t h = 0; h < H; ++h) need += quantized_tail(content_.table(l, b, B), n, h) ? 1 : 0;
+  }
+  std::vector<Page*> natives;
+  pool_->allocate(g_.page_bytes(), need, &natives);  // MemoryLimitError: nothing changed
   take_over_locked("truncate");
   std::vector<Page*> drop;
+  size_t next_native = 0;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t n = lengths[static_cast<size_t>(b)];
     if (n == content_.lens[static_cast<size_t>(b)]) continue;
     for (int64_t l = 0; l < g_.num_layers; ++l) {
       PageTable& t = content_.table(l, b, B);
+      for (int64_t h = 0; h < H; ++h) {
+        Page* q = quantized_tail(t, n, h);
+        if (!q) continue;
+        Page* nat = natives[next_native++];
+        const KVBlock kb = quant::int8_block(g_, q->data, (n / P) * P, 0, n % P);
+        quant::dequantize_block(g_, kb, nat->data, nat->data + g_.value_offset());
+        content_.holds.remove(q);
+        drop.push_back(q);
+        t.at(n / P, h, H) = nat;
+        content_.holds.add(nat);
+      }
       const int64_t keep_end = n == 0 ? t.first_block : (n + P - 1) / P;
       const size_t keep = static_cast<size_t>(std::max<int64_t>(0, keep_end - t.first_block) * H);
       for (size_t i = keep; i < t.pages.size(); ++i) {
@@ -224,6 +262,7 @@ void KVCache::truncate_locked(const std::vector<int64_t>& lengths) {
       }
       t.pages.resize(keep);
       if (n == 0) t.first_block = 0;
+      t.quant_next = std::min(t.quant_next, n / P);
     }
     content_.lens[static_cast<size_t>(b)] = n;
   }
@@ -280,9 +319,9 @@ std::unique_ptr<KVCache> KVCache::fork(const std::vector<int64_t>& indices) {
     for (int64_t l = 0; l < g_.num_layers; ++l) next.table(l, i, g2.batch_size) = content_.table(l, src, B);
   }
   rebuild_holds(&next);
-  if (g2.memory_limit_bytes > 0 && next.holds.size() * g2.page_bytes() > g2.memory_limit_bytes)
+  if (g2.memory_limit_bytes > 0 && next.holds.bytes() > g2.memory_limit_bytes)
     throw MemoryLimitError("cache memory_limit_bytes is " + str(g2.memory_limit_bytes) + ": the fork holds " +
-                           str(next.holds.size() * g2.page_bytes()) + " bytes of shared pages");
+                           str(next.holds.bytes()) + " bytes of shared pages");
   auto out = std::make_unique<KVCache>(g2, pool_);
   const std::vector<Page*> copies = privatize_in_place_tails_locked(&next, indices);
   rebuild_holds(&next);
@@ -339,6 +378,7 @@ void KVCache::import_past(const std::vector<const void*>& keys, const std::vecto
   content_ = std::move(next);
   bytes_appended_ += g_.num_layers * B * length * g_.row_bytes();
   evict_locked();
+  quantize_cold_locked();
 }
 
 std::vector<int64_t> KVCache::export_layer(int64_t layer, bool include_pending, const ExportAllocator& alloc) {
@@ -369,8 +409,14 @@ std::vector<int64_t> KVCache::export_layer(int64_t layer, bool include_pending, 
       const size_t base = static_cast<size_t>((b * H + h) * L);
       for (const KVBlock& kb : blocks) {
         const size_t row = base + static_cast<size_t>(kb.first_position);
-        std::memcpy(static_cast<char*>(out.first) + row * krow, kb.key, static_cast<size_t>(kb.num_rows) * krow);
-        std::memcpy(static_cast<char*>(out.second) + row * vrow, kb.value, static_cast<size_t>(kb.num_rows) * vrow);
+        char* kd = static_cast<char*>(out.first) + row * krow;
+        char* vd = static_cast<char*>(out.second) + row * vrow;
+        if (kb.encoding == KVEncoding::kInt8) {
+          quant::dequantize_block(g_, kb, kd, vd);  // export returns dequantized values
+        } else {
+          std::memcpy(kd, kb.key, static_cast<size_t>(kb.num_rows) * krow);
+          std::memcpy(vd, kb.value, static_cast<size_t>(kb.num_rows) * vrow);
+        }
         bytes_copied_ += kb.num_rows * static_cast<int64_t>(krow + vrow);
       }
     }
@@ -424,9 +470,9 @@ void KVCache::restore(const Checkpoint& cp) {
       differs(("sliding_window[" + str(l) + "]").c_str(), g_.window(l), o.window(l));
   refuse_if_busy_locked("restore");
   const CacheContent& src = cp.content();
-  if (g_.memory_limit_bytes > 0 && src.holds.size() * g_.page_bytes() > g_.memory_limit_bytes)
+  if (g_.memory_limit_bytes > 0 && src.holds.bytes() > g_.memory_limit_bytes)
     throw MemoryLimitError("cache memory_limit_bytes is " + str(g_.memory_limit_bytes) + ": the checkpoint holds " +
-                           str(src.holds.size() * g_.page_bytes()) + " bytes of pages");
+                           str(src.holds.bytes()) + " bytes of pages");
   take_over_locked("restore");
   CacheContent next;
   next.tables = src.tables;

@@ -70,6 +70,9 @@ struct CacheStats {
   int64_t bytes_appended = 0;       // cumulative bytes of new rows committed by steps and imports
   int64_t bytes_copied = 0;         // cumulative bytes of cached rows copied (copy-on-write, export)
   int64_t num_appends = 0;          // committed steps
+  int64_t quantized_bytes = 0;      // int8 K/V bytes of its quantized pages (scales not included)
+  int64_t native_bytes = 0;         // bytes of its pages in the cache dtype
+  int64_t scale_bytes = 0;          // bytes of the scales of its quantized pages
 };
 
 class KVCache : public std::enable_shared_from_this<KVCache> {
@@ -178,6 +181,10 @@ class KVCache : public std::enable_shared_from_this<KVCache> {
   void drop_stale_step_locked() const noexcept;
   void commit_step_locked();
   void evict_locked();
+  // Cold-page quantization after a commit or an import (kv_cache_quant.cc): every block that
+  // left the recent window is replaced by its int8 page. Best effort, never throws: a page the
+  // pool cannot supply now stays native and is retried at the next commit.
+  void quantize_cold_locked() noexcept;
   void truncate_locked(const std::vector<int64_t>& lengths);
   // A snapshot (fork, checkpoint) of the committed content taken while another run's step is
   // open must not share the tail pages that step writes in place: `snap` (whose sequence i is

@@ -161,6 +161,7 @@ void KVCache::commit_step_locked() {
   ++num_appends_;
   step_.reset();
   evict_locked();
+  quantize_cold_locked();
 }
 
 void KVCache::drop_stale_step_of_node(std::thread::id thread, uint64_t node) noexcept {

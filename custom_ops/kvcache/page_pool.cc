@@ -198,6 +198,7 @@ void PagePool::allocate(int64_t page_bytes, int64_t n, std::vector<Page*>* out) 
     c.free.erase(c.free.begin());
     Page* pg = page_locked(id);
     pg->refs = 1;
+    pg->encoding = 0;
     ++slabs_[pg->slab]->used;
     out->push_back(pg);
   }

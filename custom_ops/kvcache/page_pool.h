@@ -45,6 +45,7 @@ struct Page {
   uint32_t id = 0;       // unique among mapped pages (slab slot << 16 | index); for tests and debugging
   uint32_t refs = 0;     // holders; guarded by the pool mutex
   uint32_t slab = 0;     // slot of its slab
+  uint8_t encoding = 0;  // how the holder laid out `data` (KVEncoding), written before the page is shared; 0 on allocation
 };
 
 /// Pool figures (bytes unless num_). committed = live + free + overhead.

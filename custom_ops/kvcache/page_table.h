@@ -20,6 +20,9 @@ namespace olep {
 
 struct PageTable {
   int64_t first_block = 0;
+  // Cold-page quantization has considered every block before this one (quantized it, or left
+  // it native: a sink block, non-finite values); blocks from here on are native.
+  int64_t quant_next = 0;
   std::vector<Page*> pages;  // [(blk - first_block) * kv_num_heads + h]
 
   int64_t num_blocks(int64_t heads) const { return static_cast<int64_t>(pages.size()) / heads; }
@@ -33,13 +36,16 @@ struct PageTable {
 /// The pages held by a set of tables, each once (a cache's committed pages).
 class PageHolds {
  public:
-  void add(const Page* p) { ++n_[p]; }
+  void add(const Page* p) {
+    if (++n_[p] == 1) bytes_ += p->bytes;
+  }
   /// Returns true when the last reference of this set to p went away.
   bool remove(const Page* p) {
     auto it = n_.find(p);
     if (it == n_.end()) return false;
     if (--it->second > 0) return false;
     n_.erase(it);
+    bytes_ -= p->bytes;
     return true;
   }
   void add_table(const PageTable& t) {
@@ -53,7 +59,12 @@ class PageHolds {
     return it == n_.end() ? 0 : it->second;
   }
   int64_t size() const { return static_cast<int64_t>(n_.size()); }
-  void clear() { n_.clear(); }
+  /// Bytes of the unique pages (pages of several sizes: native and quantized).
+  int64_t bytes() const { return bytes_; }
+  void clear() {
+    n_.clear();
+    bytes_ = 0;
+  }
   template <class F>
   void for_each(F&& f) const {
     for (const auto& kv : n_) f(kv.first, kv.second);
@@ -61,6 +72,7 @@ class PageHolds {
 
  private:
   std::unordered_map<const Page*, uint32_t> n_;
+  int64_t bytes_ = 0;
 };
 
 }  // namespace olep

@@ -3,15 +3,19 @@
 //
 // Layout (little-endian, as this library only runs on x86-64):
 //   bytes 0..7    magic "OLKVCACH"
-//   u32           format version (1)
+//   u32           format version (2)
 //   u32           header size in bytes (from the start of the file)
-//   i64 x 9       num_layers, batch_size, kv_num_heads, head_dim, v_head_dim,
+//   i64 x 12      num_layers, batch_size, kv_num_heads, head_dim, v_head_dim,
 //                 max_sequence_length, dtype (0 f32, 1 f16, 2 bf16), page_tokens,
-//                 rollback_tokens
+//                 rollback_tokens, kv_quant (0 none, 1 int8), recent_tokens, sink_tokens
 //   i64 x L       sliding_window per layer (0 = none)
 //   i64 x B       seq_lens
 //   i64 x L*B     first position held per (layer, sequence) (> 0 after eviction)
-//   payload       for layer, sequence, head: K rows [first, len) then V rows [first, len)
+//   i64 x L*B     first block cold-page quantization has not considered, per (layer, sequence)
+//   block map     u8 per (layer, sequence, block held, head): 0 native, 1 int8 (KVEncoding)
+//   payload       for layer, sequence, head, block held: a native block's valid K rows then its
+//                 V rows; an int8 block (always full) as its page stores it: K int8, V int8,
+//                 K scales, V scales (quantize.h), so values survive exactly
 //   u64           checksum of every byte before it (64-bit FNV-1a over 8-byte words)
 // save() writes to "<path>.tmp" and renames it over `path`, so a reader never sees a partial
 // file. load() checks magic, version, every geometry field, the exact file size and the
@@ -31,8 +35,8 @@ namespace olep {
 namespace {
 
 constexpr char kMagic[8] = {'O', 'L', 'K', 'V', 'C', 'A', 'C', 'H'};
-constexpr uint32_t kVersion = 1;
-constexpr int kFixedFields = 9;
+constexpr uint32_t kVersion = 2;
+constexpr int kFixedFields = 12;
 
 std::string str(int64_t v) { return std::to_string(v); }
 
@@ -108,18 +112,27 @@ void KVCache::save(const std::string& path) const {
     Writer w(file.f, tmp);
     w.put(kMagic, sizeof(kMagic));
     const uint32_t version = kVersion;
-    const uint32_t header = static_cast<uint32_t>(16 + 8 * (kFixedFields + L + B + L * B));
+    const uint32_t header = static_cast<uint32_t>(16 + 8 * (kFixedFields + L + B + 2 * L * B));
     w.put(&version, sizeof(version));
     w.put(&header, sizeof(header));
     for (int64_t v : {g_.num_layers, g_.batch_size, g_.kv_num_heads, g_.head_dim, g_.v_head_dim,
-                      g_.max_sequence_length, static_cast<int64_t>(g_.dtype), g_.page_tokens, g_.rollback_tokens})
+                      g_.max_sequence_length, static_cast<int64_t>(g_.dtype), g_.page_tokens, g_.rollback_tokens,
+                      static_cast<int64_t>(g_.kv_quant), g_.recent_tokens, g_.sink_tokens})
       w.put_i64(v);
     for (int64_t l = 0; l < L; ++l) w.put_i64(g_.window(l));
     for (int64_t b = 0; b < B; ++b) w.put_i64(content_.lens[static_cast<size_t>(b)]);
     for (int64_t l = 0; l < L; ++l)
       for (int64_t b = 0; b < B; ++b) w.put_i64(content_.table(l, b, B).first_block * P);
+    for (int64_t l = 0; l < L; ++l)
+      for (int64_t b = 0; b < B; ++b) w.put_i64(content_.table(l, b, B).quant_next);
+    std::vector<uint8_t> block_map;  // one put: the checksum runs over 8-byte words of each put
+    for (int64_t l = 0; l < L; ++l)
+      for (int64_t b = 0; b < B; ++b)
+        for (const Page* pg : content_.table(l, b, B).pages) block_map.push_back(pg->encoding);
+    w.put(block_map.data(), block_map.size());
     const size_t es = g_.elem_bytes();
     const size_t krow = static_cast<size_t>(g_.head_dim) * es, vrow = static_cast<size_t>(g_.v_head_dim) * es;
+    const size_t qbytes = static_cast<size_t>(g_.quant_scale_offset() + 4 * (g_.head_dim + P));
     std::vector<KVBlock> blocks;
     for (int64_t l = 0; l < L; ++l)
       for (int64_t b = 0; b < B; ++b) {
@@ -128,8 +141,14 @@ void KVCache::save(const std::string& path) const {
           blocks.clear();
           append_blocks(g_, t.first_block, 0, content_.lens[static_cast<size_t>(b)],
                         [&](int64_t blk) { return t.at(blk, h, H); }, &blocks);
-          for (const KVBlock& kb : blocks) w.put(kb.key, static_cast<size_t>(kb.num_rows) * krow);
-          for (const KVBlock& kb : blocks) w.put(kb.value, static_cast<size_t>(kb.num_rows) * vrow);
+          for (const KVBlock& kb : blocks) {
+            if (kb.encoding == KVEncoding::kInt8) {
+              w.put(t.at(kb.first_position / P, h, H)->data, qbytes);
+            } else {
+              w.put(kb.key, static_cast<size_t>(kb.num_rows) * krow);
+              w.put(kb.value, static_cast<size_t>(kb.num_rows) * vrow);
+            }
+          }
         }
       }
     const uint64_t sum = w.checksum();
@@ -176,8 +195,13 @@ std::unique_ptr<KVCache> KVCache::load(const std::string& path, std::shared_ptr<
   const int64_t dtype = r.get_i64("dtype");
   g.page_tokens = r.get_i64("page_tokens");
   g.rollback_tokens = r.get_i64("rollback_tokens");
+  const int64_t kv_quant = r.get_i64("kv_quant");
+  g.recent_tokens = r.get_i64("recent_tokens");
+  g.sink_tokens = r.get_i64("sink_tokens");
   if (dtype < 0 || dtype > 2) throw std::invalid_argument(path + ": bad dtype code " + str(dtype));
+  if (kv_quant < 0 || kv_quant > 1) throw std::invalid_argument(path + ": bad kv_quant code " + str(kv_quant));
   g.dtype = static_cast<DType>(dtype);
+  g.kv_quant = static_cast<KVQuant>(kv_quant);
   try {
     if (g.num_layers < 1 || g.num_layers > 4096 || g.batch_size < 1 || g.batch_size > 65536)
       throw std::invalid_argument("num_layers or batch_size out of range");
@@ -191,64 +215,106 @@ std::unique_ptr<KVCache> KVCache::load(const std::string& path, std::shared_ptr<
     throw std::invalid_argument(path + ": bad geometry in the header: " + e.what());
   }
   const int64_t L = g.num_layers, B = g.batch_size, H = g.kv_num_heads, P = g.page_tokens;
-  if (header != static_cast<uint32_t>(16 + 8 * (kFixedFields + L + B + L * B)))
+  if (header != static_cast<uint32_t>(16 + 8 * (kFixedFields + L + B + 2 * L * B)))
     throw std::invalid_argument(path + ": header size " + str(header) + " does not match its geometry");
-  std::vector<int64_t> lens(static_cast<size_t>(B)), first(static_cast<size_t>(L * B));
+  std::vector<int64_t> lens(static_cast<size_t>(B)), first(static_cast<size_t>(L * B)),
+      qnext(static_cast<size_t>(L * B));
   for (auto& v : lens) v = r.get_i64("seq_lens");
   for (auto& v : first) v = r.get_i64("first positions");
+  for (auto& v : qnext) v = r.get_i64("quantization marks");
   const size_t es = dtype_size(g.dtype);
   const size_t krow = static_cast<size_t>(g.head_dim) * es, vrow = static_cast<size_t>(g.v_head_dim) * es;
-  int64_t payload = 0, pages = 0;
+  const int64_t qbytes = g.quant_scale_offset() + 4 * (g.head_dim + P);
+  int64_t blocks = 0;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t len = lens[static_cast<size_t>(b)];
     if (len < 0 || len > g.max_sequence_length)
       throw std::invalid_argument(path + ": seq_lens[" + str(b) + "] = " + str(len) + " is out of range");
     for (int64_t l = 0; l < L; ++l) {
-      const int64_t f = first[static_cast<size_t>(l * B + b)];
+      const int64_t f = first[static_cast<size_t>(l * B + b)], q = qnext[static_cast<size_t>(l * B + b)];
       if (f < 0 || f % P != 0 || f > len || (f > 0 && g.window(l) <= 0))
         throw std::invalid_argument(path + ": first position " + str(f) + " of layer " + str(l) + ", sequence " +
                                     str(b) + " is inconsistent with its length and window");
-      // Bounded: len <= 2^24, H and head sizes <= 4096 (validated), so one term fits; the sums
-      // stop as soon as they pass the file's size (a crafted header cannot overflow them).
-      payload += (len - f) * H * static_cast<int64_t>(krow + vrow);
-      pages += ((len + P - 1) / P - f / P) * H;
-      if (payload > file_size)
-        throw std::invalid_argument(path + ": the header describes more rows than the file's " + str(file_size) +
-                                    " bytes hold (truncated or not a complete KVCache file)");
+      if (q < 0 || q > (len + P - 1) / P)
+        throw std::invalid_argument(path + ": quantization mark " + str(q) + " of layer " + str(l) + ", sequence " +
+                                    str(b) + " is past its length");
+      // Bounded: len <= 2^24 and H <= 4096 (validated): the sum fits.
+      blocks += ((len + P - 1) / P - f / P) * H;
     }
   }
-  const int64_t expect = static_cast<int64_t>(header) + payload + 8;
+  if (blocks > file_size)
+    throw std::invalid_argument(path + ": the header describes more blocks than the file's " + str(file_size) +
+                                " bytes hold (truncated or not a complete KVCache file)");
+  std::vector<uint8_t> enc(static_cast<size_t>(blocks));
+  r.get(enc.data(), enc.size(), "the block map");
+  int64_t payload = 0, natives = 0, quants = 0;
+  size_t e = 0;
+  for (int64_t l = 0; l < L; ++l)
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t f = first[static_cast<size_t>(l * B + b)], len = lens[static_cast<size_t>(b)];
+      for (int64_t blk = f / P; blk < (len + P - 1) / P; ++blk)
+        for (int64_t h = 0; h < H; ++h, ++e) {
+          const int64_t rows = std::min(P, len - blk * P);
+          if (enc[e] > 1 || (enc[e] == 1 && (g.kv_quant != KVQuant::kInt8 || rows != P)))
+            throw std::invalid_argument(path + ": block map entry " + str(static_cast<int64_t>(enc[e])) +
+                                        " of layer " + str(l) + ", sequence " + str(b) + ", block " + str(blk) +
+                                        " is not valid for this cache (0 native; 1 int8, full pages of an int8 cache)");
+          if (enc[e] == 1) {
+            payload += qbytes;
+            ++quants;
+          } else {
+            payload += rows * static_cast<int64_t>(krow + vrow);
+            ++natives;
+          }
+          if (payload > file_size)
+            throw std::invalid_argument(path + ": the header describes more rows than the file's " +
+                                        str(file_size) + " bytes hold (truncated or not a complete KVCache file)");
+        }
+    }
+  const int64_t expect = static_cast<int64_t>(header) + blocks + payload + 8;
   if (file_size != expect)
     throw std::invalid_argument(path + ": the file has " + str(file_size) + " bytes; its header describes " +
                                 str(expect) + " (truncated or not a complete KVCache file)");
-  if (g.memory_limit_bytes > 0 && pages * g.page_bytes() > g.memory_limit_bytes)
-    throw MemoryLimitError("loading needs " + str(pages * g.page_bytes()) + " bytes of pages");
+  const int64_t need = natives * g.page_bytes() + quants * g.quant_page_bytes();
+  if (g.memory_limit_bytes > 0 && need > g.memory_limit_bytes)
+    throw MemoryLimitError("loading needs " + str(need) + " bytes of pages");
   auto cache = std::make_unique<KVCache>(g, std::move(pool));
-  std::vector<Page*> got;
-  cache->pool_->allocate(g.page_bytes(), pages, &got);  // all or nothing; the cache releases them if we fail
+  std::vector<Page*> got_native, got_quant;
+  cache->pool_->allocate(g.page_bytes(), natives, &got_native);  // all or nothing, with the next one:
+  try {
+    cache->pool_->allocate(g.quant_page_bytes(), quants, &got_quant);
+  } catch (...) {
+    cache->pool_->release(got_native);
+    throw;
+  }
   CacheContent& c = cache->content_;
   c.lens = lens;
-  size_t k = 0;
+  size_t kn = 0, kq = 0;
+  e = 0;
   for (int64_t l = 0; l < L; ++l)
     for (int64_t b = 0; b < B; ++b) {
       PageTable& t = c.table(l, b, B);
       const int64_t f = first[static_cast<size_t>(l * B + b)], len = lens[static_cast<size_t>(b)];
       t.first_block = f / P;
+      t.quant_next = qnext[static_cast<size_t>(l * B + b)];
       for (int64_t blk = t.first_block; blk < (len + P - 1) / P; ++blk)
-        for (int64_t h = 0; h < H; ++h) {
-          t.pages.push_back(got[k++]);
-          c.holds.add(t.pages.back());
+        for (int64_t h = 0; h < H; ++h, ++e) {
+          Page* pg = enc[e] == 1 ? got_quant[kq++] : got_native[kn++];
+          pg->encoding = enc[e];
+          t.pages.push_back(pg);
+          c.holds.add(pg);
         }
       for (int64_t h = 0; h < H; ++h)
-        for (int pass = 0; pass < 2; ++pass)
-          for (int64_t pos = f; pos < len;) {
-            const int64_t blk = pos / P, n = std::min(P - pos % P, len - pos);
-            Page* pg = t.at(blk, h, H);
-            char* dst = pass == 0 ? pg->data + static_cast<size_t>(pos % P) * krow
-                                  : pg->data + g.value_offset() + static_cast<size_t>(pos % P) * vrow;
-            r.get(dst, static_cast<size_t>(n) * (pass == 0 ? krow : vrow), "rows");
-            pos += n;
+        for (int64_t blk = t.first_block; blk < (len + P - 1) / P; ++blk) {
+          Page* pg = t.at(blk, h, H);
+          if (pg->encoding == 1) {
+            r.get(pg->data, static_cast<size_t>(qbytes), "rows");
+          } else {
+            const size_t n = static_cast<size_t>(std::min(P, len - blk * P));
+            r.get(pg->data, n * krow, "rows");
+            r.get(pg->data + g.value_offset(), n * vrow, "rows");
           }
+        }
     }
   const uint64_t sum = r.checksum();
   uint64_t stored = 0;

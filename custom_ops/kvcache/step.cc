@@ -63,10 +63,10 @@ void StepTransaction::reserve(const CacheContent& c, PagePool& pool) {
   const int64_t need = copies + fresh;
   if (need == 0) return;
   const int64_t pb = g_.page_bytes();
-  if (g_.memory_limit_bytes > 0 && (c.holds.size() + need) * pb > g_.memory_limit_bytes)
+  if (g_.memory_limit_bytes > 0 && c.holds.bytes() + need * pb > g_.memory_limit_bytes)
     throw MemoryLimitError("cache memory_limit_bytes is " + str(g_.memory_limit_bytes) + ": this step needs " +
                            str(need) + " new pages (" + str(need * pb) + " bytes) and the cache holds " +
-                           str(c.holds.size() * pb) + " bytes");
+                           str(c.holds.bytes()) + " bytes");
   pool.allocate(pb, need, &reserved_);  // throws before any change
   size_t next = 0;
   for (size_t i = 0; i < tails.size(); ++i) {

@@ -25,6 +25,7 @@
 #include "kvcache/geometry.h"
 #include "kvcache/page_pool.h"
 #include "kvcache/page_table.h"
+#include "kvcache/quantize.h"
 #include "kvcache/run_scope.h"
 
 namespace olep {
@@ -67,6 +68,10 @@ void append_blocks(const CacheGeometry& g, int64_t first_block, int64_t key_begi
     const int64_t start = blk * P;
     const int64_t lo = key_begin > start ? key_begin : start;
     const int64_t hi = key_end < start + P ? key_end : start + P;
+    if (pg->encoding == static_cast<uint8_t>(KVEncoding::kInt8)) {
+      out->push_back(quant::int8_block(g, pg->data, start, lo - start, hi - start));
+      continue;
+    }
     KVBlock kb;
     kb.key = pg->data + static_cast<size_t>((lo - start) * g.head_dim) * es;
     kb.value = pg->data + voff + static_cast<size_t>((lo - start) * g.v_head_dim) * es;

@@ -354,12 +354,12 @@ void test_snapshot_between_layers() {
 // clear error, never undefined behaviour (UBSan) or a huge allocation.
 void test_load_crafted_header() {
   const int64_t L = 128, B = 64;
-  std::vector<int64_t> f = {L, B, 4096, 4096, 4096, int64_t{1} << 24, 0, 65536, 0};
+  std::vector<int64_t> f = {L, B, 4096, 4096, 4096, int64_t{1} << 24, 0, 65536, 0, 0, 0, 0};
   for (int64_t l = 0; l < L; ++l) f.push_back(0);
   for (int64_t b = 0; b < B; ++b) f.push_back(int64_t{1} << 24);
-  for (int64_t i = 0; i < L * B; ++i) f.push_back(0);
+  for (int64_t i = 0; i < 2 * L * B; ++i) f.push_back(0);  // first positions, quantization marks
   const char magic[8] = {'O', 'L', 'K', 'V', 'C', 'A', 'C', 'H'};
-  const uint32_t version = 1, header = static_cast<uint32_t>(16 + 8 * f.size());
+  const uint32_t version = 2, header = static_cast<uint32_t>(16 + 8 * f.size());
   const std::string path = "kvcache_test_crafted.bin";
   std::FILE* fp = std::fopen(path.c_str(), "wb");
   std::fwrite(magic, 1, 8, fp);
@@ -370,7 +370,7 @@ void test_load_crafted_header() {
   std::fwrite(&sum, 8, 1, fp);
   std::fclose(fp);
   auto pool = std::make_shared<PagePool>();
-  EXPECT_THROW(KVCache::load(path, pool), std::invalid_argument, "more rows than the file");
+  EXPECT_THROW(KVCache::load(path, pool), std::invalid_argument, "more blocks than the file");
   CHECK(pool->stats().committed_bytes == 0);
   std::remove(path.c_str());
   std::vector<Page*> none;

@@ -1,0 +1,62 @@
+// KVCache: cold-page quantization (see kv_cache.h, quantize.h).
+#include <algorithm>
+#include <unordered_map>
+#include <vector>
+
+#include "kvcache/kv_cache.h"
+#include "kvcache/quantize.h"
+
+namespace olep {
+
+void KVCache::quantize_cold_locked() noexcept {
+  if (g_.kv_quant == KVQuant::kNone) return;
+  const int64_t B = g_.batch_size, H = g_.kv_num_heads, P = g_.page_tokens, R = g_.recent_tokens;
+  const uint8_t kInt8 = static_cast<uint8_t>(KVEncoding::kInt8);
+  // A native page shared by several sequences of this cache (a fork with repeated indices, a
+  // beam reorder) becomes one int8 page they all share; nullptr = left native (not finite).
+  std::unordered_map<const Page*, Page*> done;
+  std::vector<Page*> drop;
+  try {
+    for (int64_t l = 0; l < g_.num_layers; ++l)
+      for (int64_t b = 0; b < B; ++b) {
+        PageTable& t = content_.table(l, b, B);
+        const int64_t len = content_.lens[static_cast<size_t>(b)];
+        const int64_t end = std::min(len > R ? (len - R) / P : 0, t.end_block(H));  // wholly before len - R
+        for (int64_t blk = std::max({t.quant_next, t.first_block, g_.first_quant_block()}); blk < end; ++blk) {
+          for (int64_t h = 0; h < H; ++h) {
+            Page*& slot = t.at(blk, h, H);
+            if (slot->encoding == kInt8) continue;
+            Page* q = nullptr;
+            auto it = done.find(slot);
+            if (it != done.end()) {
+              q = it->second;
+              if (q) pool_->retain(&q, 1);
+            } else {
+              std::vector<Page*> one;
+              pool_->allocate(g_.quant_page_bytes(), 1, &one);  // MemoryLimitError: stop here
+              q = one[0];
+              if (quant::quantize_page_int8(g_, slot->data, q->data)) {
+                q->encoding = kInt8;
+              } else {
+                pool_->release(one);
+                q = nullptr;
+              }
+              done[slot] = q;
+            }
+            if (!q) continue;  // inf or NaN in the page: it stays native
+            content_.holds.remove(slot);
+            drop.push_back(slot);
+            slot = q;
+            content_.holds.add(q);
+          }
+          t.quant_next = blk + 1;
+        }
+      }
+  } catch (...) {
+    // The pool's budget (or the OS) refused a page: what is quantized stays so, the rest stays
+    // native until a later commit (quant_next was not advanced past the refused block).
+  }
+  pool_->release(drop);
+}
+
+}  // namespace olep

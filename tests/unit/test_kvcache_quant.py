@@ -1,0 +1,133 @@
+"""The arena's operations on int8 cold pages (KVCache(kv_quant="int8")): fork and reorder share
+quantized pages, truncate into a quantized page keeps the kept rows' values, checkpoints,
+save/load keep the int8 bytes and scales exactly, stats count the encodings, bad policies are
+ValueErrors. Attention on such pages: tests/differential/test_quantized_pages.py."""
+import numpy as np
+import pytest
+
+import onnx_light_ep as olep
+
+P, D, H = 32, 16, 2
+
+
+def quantize_page(k, v):
+    """The documented int8 codec on one page (see test_quantized_pages.py)."""
+    k = k.astype(np.float32)
+    v = v.astype(np.float32)
+    ks = (np.abs(k).max(axis=0) / np.float32(127)).astype(np.float32)
+    vs = (np.abs(v).max(axis=1) / np.float32(127)).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        kq = np.where(ks > 0, np.clip(np.rint(k / ks), -127, 127), 0).astype(np.int8)
+        vq = np.where(vs[:, None] > 0, np.clip(np.rint(v / vs[:, None]), -127, 127), 0).astype(np.int8)
+    return kq.astype(np.float32) * ks, vq.astype(np.float32) * vs[:, None]
+
+
+def expected(k, v, recent, sink):
+    """k, v [B, H, L, D] float32 after one import: cold pages dequantized."""
+    k, v = k.copy(), v.copy()
+    L = k.shape[2]
+    for blk in range(-(-sink // P), max(0, L - recent) // P):
+        sl = slice(blk * P, (blk + 1) * P)
+        for b in range(k.shape[0]):
+            for h in range(k.shape[1]):
+                k[b, h, sl], v[b, h, sl] = quantize_page(k[b, h, sl], v[b, h, sl])
+    return k, v
+
+
+def make(batch=1, length=5 * P, recent=40, sink=4, dtype=np.float32, seed=0, **kw):
+    rng = np.random.default_rng(seed)
+    k = rng.standard_normal((batch, H, length, D)).astype(dtype)
+    v = rng.standard_normal((batch, H, length, D)).astype(dtype)
+    cache = olep.KVCache.from_past([k, k[:, ::-1].copy()], [v, v[:, ::-1].copy()], page_tokens=P,
+                                   kv_quant="int8", recent_tokens=recent, sink_tokens=sink,
+                                   max_sequence_length=16 * P, **kw)
+    return cache, k, v
+
+
+def test_policy_reads_back_and_stats_count_encodings():
+    cache, k, v = make()
+    with cache:
+        assert (cache.kv_quant, cache.recent_tokens, cache.sink_tokens) == ("int8", 40, 4)
+        st = cache.stats()
+        # length 160, recent 40: blocks wholly before 120 are 0..2; block 0 holds the sinks
+        quant_pages, native_pages = 2 * 2 * H, 3 * 2 * H  # [layers x heads] blocks 1, 2 / 0, 3, 4
+        assert st["quantized_bytes"] == quant_pages * P * 2 * D
+        assert st["scale_bytes"] == quant_pages * 4 * (D + P)
+        assert st["native_bytes"] == native_pages * P * 2 * D * 4
+        assert st["num_pages"] == quant_pages + native_pages
+        ek, ev = cache.export(0)
+        xk, xv = expected(k, v, 40, 4)
+        assert np.array_equal(ek, xk) and np.array_equal(ev, xv)
+    plain = olep.KVCache.from_past([k], [v], page_tokens=P)
+    with plain:
+        assert plain.kv_quant is None and plain.stats()["quantized_bytes"] == 0
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(kv_quant="int3"), "kv_quant"),
+    (dict(kv_quant="int8", recent_tokens=-1), "recent_tokens"),
+    (dict(kv_quant="int8", sink_tokens=-2), "sink_tokens"),
+])
+def test_bad_policy_is_a_value_error(kw, match):
+    with pytest.raises(ValueError, match=match):
+        olep.KVCache(1, 1, H, D, max_sequence_length=64, **kw)
+
+
+def test_fork_and_reorder_share_quantized_pages():
+    cache, k, v = make(batch=2)
+    with cache:
+        before = cache.stats()
+        beams = cache.fork([1, 1, 0])
+        with beams:
+            st = beams.stats()
+            assert st["bytes_copied"] == 0
+            assert st["quantized_bytes"] == before["quantized_bytes"]  # the same pages, shared
+            beams.reorder([2, 2, 2])
+            ek, _ = beams.export(0)
+            xk, _ = expected(k, v, 40, 4)
+            for b in range(3):
+                assert np.array_equal(ek[b], xk[0])
+            assert beams.stats()["bytes_copied"] == ek.nbytes * 2  # the export itself (K and V)
+
+
+def test_truncate_into_a_quantized_page_keeps_its_rows():
+    cache, k, v = make(dtype=np.float16)
+    with cache:
+        xk, xv = expected(k.astype(np.float32), v.astype(np.float32), 40, 4)
+        cut = P + 10  # inside block 1 (quantized)
+        cache.truncate(cut)
+        ek, ev = cache.export(0)
+        assert np.array_equal(ek[:, :, :cut], xk[:, :, :cut].astype(np.float16))
+        assert np.array_equal(ev[:, :, :cut], xv[:, :, :cut].astype(np.float16))
+        st = cache.stats()
+        assert st["quantized_bytes"] == 0  # block 0 holds sinks, block 1 is native again
+        assert cache.seq_lens.tolist() == [cut]
+
+
+def test_checkpoint_restore_and_save_load_keep_int8_bytes(tmp_path):
+    cache, k, v = make(batch=2, length=6 * P + 5)
+    with cache:
+        e0 = [cache.export(layer) for layer in range(2)]
+        with cache.checkpoint() as cp:
+            cache.truncate([P, 2 * P])
+            cache.restore(cp)
+        for layer in range(2):
+            ek, ev = cache.export(layer)
+            assert np.array_equal(ek, e0[layer][0]) and np.array_equal(ev, e0[layer][1])
+        path = tmp_path / "q.olkv"
+        cache.save(path)
+        st = cache.stats()
+        with olep.KVCache.load(path) as loaded:
+            assert (loaded.kv_quant, loaded.recent_tokens, loaded.sink_tokens) == ("int8", 40, 4)
+            for layer in range(2):
+                ek, ev = loaded.export(layer)
+                assert np.array_equal(ek, e0[layer][0]) and np.array_equal(ev, e0[layer][1])
+            lst = loaded.stats()
+            for key in ("quantized_bytes", "scale_bytes", "native_bytes", "committed_bytes", "num_pages"):
+                assert lst[key] == st[key], key
+        raw = bytearray(path.read_bytes())
+        raw[-40] ^= 1  # inside the payload: the checksum must catch it
+        bad = tmp_path / "bad.olkv"
+        bad.write_bytes(bytes(raw))
+        with pytest.raises(ValueError, match="checksum"):
+            olep.KVCache.load(bad)

@@ -1,0 +1,194 @@
+// int8 cold pages vs native pages, the attention kernel alone (no ORT): one decode step (1 query
+// row per query head; `group` query heads per kv head) over `heads` kv heads x enough layers for
+// the native pages to exceed 256 MiB, the same K/V values stored as native pages (dtype) and as
+// int8 pages (per-channel K scales, per-row V scales, the cache's layout: codes then scales),
+// pages placed in decode order, measured interleaved round by round; and the read time of each
+// layout's bytes (one sequential pass, stream_read) in the same rounds.
+//
+//   bench_quant_attention [dtype=f16|f32|bf16] [context=8192] [page_tokens=256] [heads=32]
+//                         [group=1] [head_dim=128] [rounds=20]
+//
+// Prints the median and minimum ms per layer-step of each layout, int8 / native, and each
+// layout against its own read time.
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/attention.h"
+#include "kernels/stream_read.h"
+
+using namespace olep;
+using namespace olep::kernels;
+
+namespace {
+
+constexpr size_t kHuge = size_t{2} << 20;
+
+char* huge_alloc(size_t bytes) {
+  bytes = (bytes + kHuge - 1) / kHuge * kHuge;
+  void* p = mmap(nullptr, bytes + kHuge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) {
+    std::perror("mmap");
+    std::exit(1);
+  }
+  char* b = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(p) + kHuge - 1) / kHuge * kHuge);
+  madvise(b, bytes, MADV_HUGEPAGE);
+  std::memset(b, 0, bytes);
+  return b;
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+int8_t code(float x, float s) {
+  if (s == 0.0f) return 0;
+  return static_cast<int8_t>(std::max(-127.0f, std::min(127.0f, std::nearbyint(x / s))));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::string dt = argc > 1 ? argv[1] : "f16";
+  const int64_t T = argc > 2 ? std::atoll(argv[2]) : 8192;
+  const int64_t P = argc > 3 ? std::atoll(argv[3]) : 256;
+  const int64_t heads = argc > 4 ? std::atoll(argv[4]) : 32;
+  const int64_t G = argc > 5 ? std::atoll(argv[5]) : 1;
+  const int64_t D = argc > 6 ? std::atoll(argv[6]) : 128;
+  const int rounds = argc > 7 ? std::atoi(argv[7]) : 20;
+  const DType dtype = dt == "f32" ? DType::kFloat32 : dt == "bf16" ? DType::kBFloat16 : DType::kFloat16;
+  const size_t es = dtype_size(dtype);
+  const size_t row = static_cast<size_t>(D) * es;
+  const int64_t blocks = (T + P - 1) / P;
+  const size_t npage = 2 * static_cast<size_t>(P) * row;
+  const size_t qpage = (2 * static_cast<size_t>(P * D) + 4 * static_cast<size_t>(D + P) + 63) / 64 * 64;
+  const int64_t layers = std::max<int64_t>(1, (256ll << 20) / (static_cast<int64_t>(npage) * blocks * heads));
+  const int64_t units = heads * layers;
+  char* native = huge_alloc(static_cast<size_t>(units * blocks) * npage);
+  char* quant = huge_alloc(static_cast<size_t>(units * blocks) * qpage);
+  std::mt19937 rng(1);
+  std::normal_distribution<float> nd;
+  std::vector<float> k(static_cast<size_t>(P * D)), v(k.size()), ks(static_cast<size_t>(D)), vs(static_cast<size_t>(P));
+  std::vector<std::vector<KVBlock>> nl(static_cast<size_t>(units)), ql(static_cast<size_t>(units));
+  auto put = [&](char* dst, size_t i, float x) {
+    if (dtype == DType::kFloat32) std::memcpy(dst + i * 4, &x, 4);
+    else {
+      const uint16_t b = dtype == DType::kFloat16 ? float_to_half(x) : float_to_bf16(x);
+      std::memcpy(dst + i * 2, &b, 2);
+    }
+  };
+  for (int64_t b = 0; b < blocks; ++b)
+    for (int64_t u = 0; u < units; ++u) {
+      const int64_t n = std::min(P, T - b * P);
+      for (size_t i = 0; i < k.size(); ++i) {
+        k[i] = nd(rng) * (i % static_cast<size_t>(D) == 3 ? 20.0f : 0.5f);
+        v[i] = nd(rng) * 0.5f;
+      }
+      char* np = native + static_cast<size_t>(b * units + u) * npage;
+      for (size_t i = 0; i < k.size(); ++i) {
+        put(np, i, k[i]);
+        put(np + npage / 2, i, v[i]);
+      }
+      char* qp = quant + static_cast<size_t>(b * units + u) * qpage;
+      int8_t* kq = reinterpret_cast<int8_t*>(qp);
+      int8_t* vq = kq + P * D;
+      float* kss = reinterpret_cast<float*>(qp + 2 * P * D);
+      float* vss = kss + D;
+      for (int64_t d = 0; d < D; ++d) {
+        float m = 0;
+        for (int64_t r = 0; r < P; ++r) m = std::max(m, std::fabs(k[static_cast<size_t>(r * D + d)]));
+        kss[d] = m / 127.0f;
+      }
+      for (int64_t r = 0; r < P; ++r) {
+        float m = 0;
+        for (int64_t d = 0; d < D; ++d) m = std::max(m, std::fabs(v[static_cast<size_t>(r * D + d)]));
+        vss[r] = m / 127.0f;
+        for (int64_t d = 0; d < D; ++d) {
+          kq[r * D + d] = code(k[static_cast<size_t>(r * D + d)], kss[d]);
+          vq[r * D + d] = code(v[static_cast<size_t>(r * D + d)], vss[r]);
+        }
+      }
+      nl[static_cast<size_t>(u)].push_back(KVBlock{np, np + npage / 2, b * P, n});
+      KVBlock qb{kq, vq, b * P, n};
+      qb.encoding = KVEncoding::kInt8;
+      qb.key_scale = kss;
+      qb.value_scale = vss;
+      ql[static_cast<size_t>(u)].push_back(qb);
+    }
+
+  std::vector<float> q(static_cast<size_t>(G * D), 0.1f), out(static_cast<size_t>(heads * G * D));
+  std::vector<uint16_t> q16(q.size(), dtype == DType::kFloat16 ? float_to_half(0.1f) : float_to_bf16(0.1f)),
+      out16(out.size());
+  AttentionGroup a;
+  a.dtype = dtype;
+  a.q = dtype == DType::kFloat32 ? static_cast<const void*>(q.data()) : static_cast<const void*>(q16.data());
+  a.q_head_stride = a.out_head_stride = D;
+  a.q_row_stride = a.out_row_stride = G * D;
+  a.group_size = G;
+  a.num_rows = a.num_valid_rows = 1;
+  a.q_offset = T - 1;
+  a.num_keys = T;
+  a.head_dim = a.v_head_dim = D;
+  a.scale = 0.088f;
+  a.is_causal = true;
+  const int64_t sf = state_floats(a);
+  std::vector<float> state(static_cast<size_t>(sf)), scratch(static_cast<size_t>(scratch_floats(a)) + 64);
+  auto step = [&](const std::vector<std::vector<KVBlock>>& lists, int64_t l) {
+    for (int64_t h = 0; h < heads; ++h) {
+      AttentionGroup g = a;
+      const size_t off = static_cast<size_t>(h * G * D);
+      g.out = dtype == DType::kFloat32 ? static_cast<void*>(out.data() + off) : static_cast<void*>(out16.data() + off);
+      const auto& bl = lists[static_cast<size_t>(l * heads + h)];
+      g.blocks = bl.data();
+      g.num_blocks = static_cast<int64_t>(bl.size());
+      AttentionState s;
+      init_state(g, state.data(), &s);
+      attend_range(g, 0, T, &s, scratch.data());
+      finalize(g, s);
+    }
+  };
+  struct Variant {
+    const char* name;
+    int kind;  // 0 native attention, 1 int8 attention, 2 read native bytes, 3 read int8 bytes
+    std::vector<double> ms;
+  };
+  std::vector<Variant> vars = {{"native", 0, {}}, {"int8", 1, {}}, {"read native", 2, {}}, {"read int8", 3, {}}};
+  const size_t nbytes_layer = static_cast<size_t>(heads * blocks) * npage;
+  const size_t qbytes_layer = static_cast<size_t>(heads * blocks) * qpage;
+  volatile uint64_t sink = 0;
+  for (int r = 0; r < rounds; ++r)
+    for (size_t i = 0; i < vars.size(); ++i) {
+      Variant& var = vars[(i + static_cast<size_t>(r)) % vars.size()];
+      const auto t0 = std::chrono::steady_clock::now();
+      if (var.kind == 0 || var.kind == 1)
+        for (int64_t l = 0; l < layers; ++l) step(var.kind == 0 ? nl : ql, l);
+      else if (var.kind == 2)
+        sink = sink + static_cast<uint64_t>(stream_read(native, nbytes_layer * static_cast<size_t>(layers)));
+      else
+        sink = sink + static_cast<uint64_t>(stream_read(quant, qbytes_layer * static_cast<size_t>(layers)));
+      var.ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() /
+                       static_cast<double>(layers));
+    }
+  std::printf("%s isa=%s T=%lld page_tokens=%lld heads=%lld group=%lld head_dim=%lld layers=%lld rounds=%d\n",
+              dt.c_str(), isa_name(active_isa()), static_cast<long long>(T), static_cast<long long>(P),
+              static_cast<long long>(heads), static_cast<long long>(G), static_cast<long long>(D),
+              static_cast<long long>(layers), rounds);
+  for (const Variant& var : vars)
+    std::printf("  %-12s median %8.3f ms   min %8.3f ms\n", var.name, median(var.ms),
+                *std::min_element(var.ms.begin(), var.ms.end()));
+  std::printf("  int8 / native x%.3f (min x%.3f); native / its read x%.3f; int8 / its read x%.3f\n",
+              median(vars[1].ms) / median(vars[0].ms),
+              *std::min_element(vars[1].ms.begin(), vars[1].ms.end()) /
+                  *std::min_element(vars[0].ms.begin(), vars[0].ms.end()),
+              median(vars[0].ms) / median(vars[2].ms), median(vars[1].ms) / median(vars[3].ms));
+  return 0;
+}
