@@ -124,3 +124,17 @@ def ref_rows(q, k, v, past_k, past_v, n_new, past_len, **kw):
         out[b:b + 1, :, :n] = ref_attn(q[b:b + 1, :, :n], k[b:b + 1, :, :n], v[b:b + 1, :, :n],
                                        pk, pv, **kw)[0]
     return out
+
+
+def quantize_page_int8(k, v):
+    """The KVCache int8 codec on one page (docs/API.md, "Quantized pages"): k [P, D], v [P, Dv]
+    (values of the cache dtype). K per channel, V per token, symmetric, round half to even, in
+    float32 as the cache computes them. Returns the dequantized float32 (k, v)."""
+    k = np.asarray(k).astype(np.float32)
+    v = np.asarray(v).astype(np.float32)
+    ks = (np.abs(k).max(axis=0) / np.float32(127)).astype(np.float32)
+    vs = (np.abs(v).max(axis=1) / np.float32(127)).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        kq = np.where(ks > 0, np.clip(np.rint(k / ks), -127, 127), 0).astype(np.int8)
+        vq = np.where(vs[:, None] > 0, np.clip(np.rint(v / vs[:, None]), -127, 127), 0).astype(np.int8)
+    return kq.astype(np.float32) * ks, vq.astype(np.float32) * vs[:, None]

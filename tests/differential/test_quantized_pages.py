@@ -19,7 +19,7 @@ import pytest
 
 import ort_utils
 from models import cache_attention_model
-from reference import assert_close, np_dtype, ref_attn
+from reference import assert_close, np_dtype, quantize_page_int8, ref_attn
 
 CAP = 512
 
@@ -40,18 +40,7 @@ CFGS = [
 ]
 
 
-def quantize_page(k, v):
-    """The cache's int8 codec on one page: k [P, D], v [P, Dv] (float32 values of the cache dtype).
-
-    Returns the dequantized float32 (k, v)."""
-    k = k.astype(np.float32)
-    v = v.astype(np.float32)
-    ks = (np.abs(k).max(axis=0) / np.float32(127)).astype(np.float32)  # per channel
-    vs = (np.abs(v).max(axis=1) / np.float32(127)).astype(np.float32)  # per token
-    with np.errstate(divide="ignore", invalid="ignore"):
-        kq = np.where(ks > 0, np.clip(np.rint(k / ks), -127, 127), 0).astype(np.int8)
-        vq = np.where(vs[:, None] > 0, np.clip(np.rint(v / vs[:, None]), -127, 127), 0).astype(np.int8)
-    return kq.astype(np.float32) * ks, vq.astype(np.float32) * vs[:, None]
+quantize_page = quantize_page_int8
 
 
 class Model:

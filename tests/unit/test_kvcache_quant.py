@@ -6,20 +6,12 @@ import numpy as np
 import pytest
 
 import onnx_light_ep as olep
+from reference import quantize_page_int8
 
 P, D, H = 32, 16, 2
 
 
-def quantize_page(k, v):
-    """The documented int8 codec on one page (see test_quantized_pages.py)."""
-    k = k.astype(np.float32)
-    v = v.astype(np.float32)
-    ks = (np.abs(k).max(axis=0) / np.float32(127)).astype(np.float32)
-    vs = (np.abs(v).max(axis=1) / np.float32(127)).astype(np.float32)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        kq = np.where(ks > 0, np.clip(np.rint(k / ks), -127, 127), 0).astype(np.int8)
-        vq = np.where(vs[:, None] > 0, np.clip(np.rint(v / vs[:, None]), -127, 127), 0).astype(np.int8)
-    return kq.astype(np.float32) * ks, vq.astype(np.float32) * vs[:, None]
+quantize_page = quantize_page_int8
 
 
 def expected(k, v, recent, sink):

@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_util.h"
 #include "kernels/attention.h"
 
 using namespace olep;
@@ -31,25 +32,9 @@ using namespace olep::kernels;
 
 namespace {
 
-constexpr size_t kHuge = size_t{2} << 20;
-
-char* huge_alloc(size_t bytes) {
-  bytes = (bytes + kHuge - 1) / kHuge * kHuge;
-  void* p = mmap(nullptr, bytes + kHuge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (p == MAP_FAILED) {
-    std::perror("mmap");
-    std::exit(1);
-  }
-  char* b = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(p) + kHuge - 1) / kHuge * kHuge);
-  madvise(b, bytes, MADV_HUGEPAGE);
-  std::memset(b, 0, bytes);
-  return b;
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
+using bench::huge_alloc;
+using bench::kHuge;
+using bench::median;
 
 }  // namespace
 

@@ -24,9 +24,11 @@
 #include <cstring>
 #include <vector>
 
+#include "bench_util.h"
+
 namespace {
 
-constexpr size_t kHuge = size_t{2} << 20;
+using bench::kHuge;
 constexpr size_t kStep = 4096;
 
 uint64_t read_run(const char* p, size_t bytes) {
@@ -47,10 +49,7 @@ uint64_t read_two(const char* p, size_t bytes) {
   return s;
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
+using bench::median;
 
 }  // namespace
 
@@ -64,13 +63,7 @@ int main(int argc, char** argv) {
   }
   const size_t total = size_t{512} << 20;
   const size_t units = total / unit, pages_per_unit = unit / page;
-  void* m = mmap(nullptr, total + kHuge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (m == MAP_FAILED) {
-    std::perror("mmap");
-    return 1;
-  }
-  char* base = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(m) + kHuge - 1) / kHuge * kHuge);
-  madvise(base, total, MADV_HUGEPAGE);
+  char* base = bench::huge_alloc(total);
   std::memset(base, 1, total);
   auto page_at = [&](size_t u, size_t b) { return base + (b * units + u) * page; };
 
