@@ -168,8 +168,14 @@ class RefCache:
     """Per layer, per sequence: K [Hkv, len, D] and V [Hkv, len, Dv]."""
 
     def __init__(self, num_layers, batch_size, kv_num_heads, head_dim, v_head_dim=None,
-                 dtype="float32", capacity=None, *, windows=None, rollback_tokens=0, page_tokens=128):
+                 dtype="float32", capacity=None, *, windows=None, rollback_tokens=0, page_tokens=128,
+                 kv_quant=None, recent_tokens=128, sink_tokens=4):
         self.L, self.B, self.H, self.D = num_layers, batch_size, kv_num_heads, head_dim
+        # int8 cold pages (docs/API.md "Quantized pages"): qnext[l][b] = first block quantization
+        # has not considered; a block past it is quantized (values replaced by the codec's
+        # dequantized ones) once it lies wholly in [sink_tokens rounded up to pages, len - recent).
+        self.kv_quant, self.recent, self.sink = kv_quant, int(recent_tokens), int(sink_tokens)
+        self.qnext = [[0] * batch_size for _ in range(num_layers)]
         # Sliding-window eviction (docs/API.md): per layer window (0 = none); first[l][b] is the
         # first position layer l of sequence b still holds.
         self.windows = [int(w or 0) for w in windows] if windows else [0] * num_layers
@@ -211,6 +217,27 @@ class RefCache:
             V[b, :, f:m] = self.v[layer][b][:, f:]
         return K, V
 
+    def quantize(self):
+        """After a commit (and the eviction): int8 cold pages, as the cache does."""
+        if self.kv_quant is None:
+            return
+        from reference import quantize_page_int8
+
+        P = self.P
+        for l in range(self.L):
+            for b in range(self.B):
+                n = self.k[l][b].shape[1]
+                end = min((n - self.recent) // P if n > self.recent else 0, -(-n // P))
+                start = max(self.qnext[l][b], self.first[l][b] // P, -(-self.sink // P))
+                for blk in range(start, end):
+                    sl = slice(blk * P, (blk + 1) * P)
+                    for h in range(self.H):
+                        k, v = self.k[l][b][h, sl], self.v[l][b][h, sl]
+                        if np.all(np.isfinite(k)) and np.all(np.isfinite(v)):
+                            dk, dv = quantize_page_int8(k, v)
+                            self.k[l][b][h, sl], self.v[l][b][h, sl] = dk.astype(self.dtype), dv.astype(self.dtype)
+                self.qnext[l][b] = max(self.qnext[l][b], end)
+
     def evict(self):
         """After a commit: windowed layers drop whole pages before len - W - rollback."""
         for l, w in enumerate(self.windows):
@@ -240,12 +267,14 @@ class RefCache:
                 self.v[l][b] = self.v[l][b][:, : lengths[b]].copy()
                 if lengths[b] == 0:
                     self.first[l][b] = 0
+                self.qnext[l][b] = min(self.qnext[l][b], int(lengths[b]) // self.P)
 
     def reorder(self, idx):
         for l in range(self.L):
             self.k[l] = [self.k[l][i].copy() for i in idx]
             self.v[l] = [self.v[l][i].copy() for i in idx]
             self.first[l] = [self.first[l][i] for i in idx]
+            self.qnext[l] = [self.qnext[l][i] for i in idx]
         self.B = len(idx)
 
     def reset(self):
@@ -279,6 +308,7 @@ class RefCache:
                 self.k[l][b] = np.concatenate([self.k[l][b], k[b, :, : nn[b]]], 1)
                 self.v[l][b] = np.concatenate([self.v[l][b], v[b, :, : nn[b]]], 1)
         self.evict()
+        self.quantize()
         return ys
 
 

@@ -39,7 +39,14 @@ from onnx_light_ep import KVCache, KVCacheMemoryError, KVPool, _core  # noqa: E4
 GEOMS = [
     dict(L=2, Hq=2, Hkv=1, D=8, windows=None, rollback=0, mode="ep"),
     dict(L=2, Hq=2, Hkv=2, D=4, windows=[None, 40], rollback=8, mode="cpu"),
+    # int8 cold pages (recent 16 positions and the first page native), layer 1 windowed
+    dict(L=2, Hq=2, Hkv=1, D=8, windows=[None, 48], rollback=8, mode="ep", quant=dict(recent=16, sink=4)),
 ]
+
+
+def quant_kw(G):
+    q = G.get("quant")
+    return {} if q is None else dict(kv_quant="int8", recent_tokens=q["recent"], sink_tokens=q["sink"])
 P = 32  # page_tokens
 MSL = 256
 POISON = 1e4
@@ -70,8 +77,10 @@ def qkv_for(G, B, S, seed, n=None):
 
 
 def new_ref(G, B):
+    q = G.get("quant") or {}
     return RefCache(G["L"], B, G["Hkv"], G["D"], capacity=MSL, windows=G["windows"],
-                    rollback_tokens=G["rollback"], page_tokens=P)
+                    rollback_tokens=G["rollback"], page_tokens=P, kv_quant="int8" if q else None,
+                    recent_tokens=q.get("recent", 128), sink_tokens=q.get("sink", 4))
 
 
 class Entry:
@@ -102,25 +111,29 @@ class PagedArena(RuleBasedStateMachine):
     def pick(self, data, label="cache") -> Entry:
         return self.live[data.draw(st.integers(0, len(self.live) - 1), label=label)]
 
-    def pool_of(self, i):
+    def pool_of(self, i, g=0):
+        # int8 caches stay out of the budgeted pool: quantization is best effort under a budget
+        # (a page the pool refuses stays native), which the model does not follow
+        if GEOMS[g].get("quant") and i == 1:
+            i = 0
         return None if i == 2 or self.pools[i].closed else self.pools[i]
 
     # ------------------------------------------------------------ creation
 
-    @initialize(g=st.integers(0, 1), B=st.integers(1, 3), pool=st.integers(0, 2))
+    @initialize(g=st.integers(0, len(GEOMS) - 1), B=st.integers(1, 3), pool=st.integers(0, 2))
     def first(self, g, B, pool):
         self.create(g, B, pool, None)
 
     @precondition(lambda self: len(self.live) < 5)
-    @rule(g=st.integers(0, 1), B=st.integers(1, 3), pool=st.integers(0, 2),
+    @rule(g=st.integers(0, len(GEOMS) - 1), B=st.integers(1, 3), pool=st.integers(0, 2),
           quota=st.one_of(st.none(), st.integers(4, 40)))
     def create(self, g, B, pool, quota):
         G = GEOMS[g]
-        p = self.pool_of(pool)
+        p = self.pool_of(pool, g)
         page = P * 2 * G["D"] * 4
         c = KVCache(G["L"], B, G["Hkv"], G["D"], max_sequence_length=MSL, pool=p, page_tokens=P,
                     memory_limit_bytes=None if quota is None else quota * page,
-                    sliding_window=G["windows"], rollback_tokens=G["rollback"])
+                    sliding_window=G["windows"], rollback_tokens=G["rollback"], **quant_kw(G))
         self.live.append(Entry(c, new_ref(G, B), g, p))
 
     # ------------------------------------------------------------ runs
@@ -257,7 +270,7 @@ class PagedArena(RuleBasedStateMachine):
         e = self.pick(data)
         path = os.path.join(self.dir, "c.kv")
         e.cache.save(path)
-        p = self.pool_of(pool)
+        p = self.pool_of(pool, e.g)
         try:
             c = KVCache.load(path, pool=p)
         except KVCacheMemoryError:
