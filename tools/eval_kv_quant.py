@@ -129,10 +129,10 @@ def main(argv=None):
     else:
         from onnx_light_ep.models.smollm2 import ensure_smollm2_onnx
 
-        src = ensure_smollm2_onnx()
-        path = str(src.parent.parent / (src.parent.name + "-onnx-light") / "model.onnx")
+        folder = ensure_smollm2_onnx()  # the genai builder's export (a folder with model.onnx)
+        path = str(folder.parent / (folder.name + "-onnx-light") / "model.onnx")
         if not os.path.exists(path):
-            olep.convert(str(src), path)
+            olep.convert(str(folder / "model.onnx"), path)
     meta = read_metadata(path)
     tok = TextTokenizer.find([os.path.dirname(os.path.abspath(path))])
     if tok is None:
@@ -176,7 +176,8 @@ def main(argv=None):
 
 def markdown(result, argv):
     s = result["settings"]
-    cmd = "python tools/eval_kv_quant.py" + ("" if not argv else " " + " ".join(argv))
+    args = sys.argv[1:] if argv is None else argv
+    cmd = "python tools/eval_kv_quant.py" + ("" if not args else " " + " ".join(args))
     lines = ["## Quantized KV pages: quality on real text", ""] + report.machine_lines(result["machine"]) + [
         "",
         f"Command: `{cmd}`; model `{os.path.basename(os.path.dirname(result['model']))}`; text: the first "

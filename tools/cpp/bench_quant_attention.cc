@@ -6,7 +6,10 @@
 // layout's bytes (one sequential pass, stream_read) in the same rounds.
 //
 //   bench_quant_attention [dtype=f16|f32|bf16] [context=8192] [page_tokens=256] [heads=32]
-//                         [group=1] [head_dim=128] [rounds=20]
+//                         [group=1] [head_dim=128] [rounds=20] [qgroup=1]
+//
+// qgroup: int8 pages of that many consecutive blocks of one (layer, head) lie next to each
+// other (one stream across them), as a cache that quantizes blocks in groups would place them.
 //
 // Prints the median and minimum ms per layer-step of each layout, int8 / native, and each
 // layout against its own read time.
@@ -50,6 +53,7 @@ int main(int argc, char** argv) {
   const int64_t G = argc > 5 ? std::atoll(argv[5]) : 1;
   const int64_t D = argc > 6 ? std::atoll(argv[6]) : 128;
   const int rounds = argc > 7 ? std::atoi(argv[7]) : 20;
+  const int64_t qgroup = argc > 8 ? std::atoll(argv[8]) : 1;
   const DType dtype = dt == "f32" ? DType::kFloat32 : dt == "bf16" ? DType::kBFloat16 : DType::kFloat16;
   const size_t es = dtype_size(dtype);
   const size_t row = static_cast<size_t>(D) * es;
@@ -59,7 +63,7 @@ int main(int argc, char** argv) {
   const int64_t layers = std::max<int64_t>(1, (256ll << 20) / (static_cast<int64_t>(npage) * blocks * heads));
   const int64_t units = heads * layers;
   char* native = huge_alloc(static_cast<size_t>(units * blocks) * npage);
-  char* quant = huge_alloc(static_cast<size_t>(units * blocks) * qpage);
+  char* quant = huge_alloc(static_cast<size_t>(units * ((blocks + qgroup - 1) / qgroup * qgroup)) * qpage);
   std::mt19937 rng(1);
   std::normal_distribution<float> nd;
   std::vector<float> k(static_cast<size_t>(P * D)), v(k.size()), ks(static_cast<size_t>(D)), vs(static_cast<size_t>(P));
@@ -83,7 +87,9 @@ int main(int argc, char** argv) {
         put(np, i, k[i]);
         put(np + npage / 2, i, v[i]);
       }
-      char* qp = quant + static_cast<size_t>(b * units + u) * qpage;
+      // int8 pages of `qgroup` consecutive blocks of one (layer, head) adjacent in memory
+      const int64_t slot = (b / qgroup * units + u) * qgroup + b % qgroup;
+      char* qp = quant + static_cast<size_t>(slot) * qpage;
       int8_t* kq = reinterpret_cast<int8_t*>(qp);
       int8_t* vq = kq + P * D;
       float* kss = reinterpret_cast<float*>(qp + 2 * P * D);
