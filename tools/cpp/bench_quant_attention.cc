@@ -6,7 +6,7 @@
 // layout's bytes (one sequential pass, stream_read) in the same rounds.
 //
 //   bench_quant_attention [dtype=f16|f32|bf16] [context=8192] [page_tokens=256] [heads=32]
-//                         [group=1] [head_dim=128] [rounds=20] [qgroup=1]
+//                         [group=1] [head_dim=128] [rounds=20] [qgroup=1] [layers]
 //
 // qgroup: int8 pages of that many consecutive blocks of one (layer, head) lie next to each
 // other (one stream across them), as a cache that quantizes blocks in groups would place them.
@@ -60,7 +60,10 @@ int main(int argc, char** argv) {
   const int64_t blocks = (T + P - 1) / P;
   const size_t npage = 2 * static_cast<size_t>(P) * row;
   const size_t qpage = (2 * static_cast<size_t>(P * D) + 4 * static_cast<size_t>(D + P) + 63) / 64 * 64;
-  const int64_t layers = std::max<int64_t>(1, (256ll << 20) / (static_cast<int64_t>(npage) * blocks * heads));
+  // layers: enough for the native pages to exceed 256 MiB, or argv[9] (1 with a small context and
+  // few heads keeps everything in the caches: the compute time alone)
+  const int64_t layers = argc > 9 ? std::atoll(argv[9])
+                                  : std::max<int64_t>(1, (256ll << 20) / (static_cast<int64_t>(npage) * blocks * heads));
   const int64_t units = heads * layers;
   char* native = huge_alloc(static_cast<size_t>(units * blocks) * npage);
   char* quant = huge_alloc(static_cast<size_t>(units * ((blocks + qgroup - 1) / qgroup * qgroup)) * qpage);
