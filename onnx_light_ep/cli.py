@@ -22,32 +22,50 @@ import sys
 from typing import List, Optional
 
 
+_ISA_LEVELS = ("scalar", "avx2", "avx512", "avx512_bf16")
+
+
 def _cmd_info(args: argparse.Namespace) -> int:
-    from . import EP_NAME, __version__, get_library_path
+    import json
+
+    from . import EP_NAME, __version__, _core, get_library_path
     from . import _registration
 
     path = get_library_path()
-    print(f"onnx_light_ep {__version__}")
-    print(f"library: {path}")
+    best = _core.detected_isa()
+    info = {"version": __version__, "library": path, "attention_isa": _core.isa(),
+            "isa_levels": list(_ISA_LEVELS[: _ISA_LEVELS.index(best) + 1])}
+    as_json = getattr(args, "json", False)
+    if not as_json:
+        print(f"onnx_light_ep {__version__}")
+        print(f"library: {path}")
+        print(f"attention ISA: {info['attention_isa']} (this CPU supports: {', '.join(info['isa_levels'])}; "
+              "ONNX_LIGHT_ISA=<level> forces one)")
     try:
         ort = _registration._import_ort()
     except RuntimeError as e:
         print(f"onnxruntime: {e}", file=sys.stderr)
         return 1
-    print(f"onnxruntime {ort.__version__} ({ort.__file__})")
+    info["onnxruntime"] = {"version": ort.__version__, "path": ort.__file__}
     try:
         _registration._ensure_ep_library(ort, path)
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     devices = ort.get_ep_devices()
-    print("EP devices:")
-    for d in devices:
-        hw = d.device
-        print(
-            f"  {d.ep_name} ({d.ep_vendor}): {hw.type} vendor={hw.vendor!r} "
-            f"vendor_id={hw.vendor_id} device_id={hw.device_id} metadata={dict(d.ep_metadata)}"
-        )
+    info["ep_devices"] = [{"ep_name": d.ep_name, "ep_vendor": d.ep_vendor, "type": str(d.device.type),
+                           "vendor": d.device.vendor, "metadata": dict(d.ep_metadata)} for d in devices]
+    if as_json:
+        print(json.dumps(info, indent=1))
+    else:
+        print(f"onnxruntime {ort.__version__} ({ort.__file__})")
+        print("EP devices:")
+        for d in devices:
+            hw = d.device
+            print(
+                f"  {d.ep_name} ({d.ep_vendor}): {hw.type} vendor={hw.vendor!r} "
+                f"vendor_id={hw.vendor_id} device_id={hw.device_id} metadata={dict(d.ep_metadata)}"
+            )
     if not any(d.ep_name == EP_NAME for d in devices):
         print(f"error: onnxruntime offers no device for {EP_NAME}", file=sys.stderr)
         return 1
@@ -217,11 +235,16 @@ def build_parser() -> argparse.ArgumentParser:
         prog="onnx-light",
         description="onnx-light-ep: persistent KV cache ops and execution provider for ONNX Runtime.",
     )
+    from . import __version__
+
+    parser.add_argument("--version", action="version", version=f"onnx-light {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = False
     info = sub.add_parser(
-        "info", help="print the native library path, the onnxruntime version and the EP devices"
+        "info", help="print the version, the native library path, the attention ISA level in use and the "
+                     "levels this CPU supports, the onnxruntime version and the EP devices"
     )
+    info.add_argument("--json", action="store_true", help="the same as one JSON object on stdout")
     info.set_defaults(func=_cmd_info)
     from .bench import add_arguments as _bench_arguments, main_from_args as _bench_main
 

@@ -16,6 +16,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "common/dtype.h"
 #include "kernels/kv_block.h"
@@ -92,6 +93,10 @@ Isa detected_isa();
 /// Level in use: detected_isa(), or ONNX_LIGHT_ISA=scalar|avx2|avx512|avx512_bf16 from the environment
 /// at first use, or set_isa(). A level the CPU lacks is refused.
 Isa active_isa();
+/// The level ONNX_LIGHT_ISA=`value` selects when the CPU's best is `best` (null or empty: best).
+/// An unknown name or a level above best gives best and sets *warning naming the levels (printed
+/// to stderr once by active_isa); otherwise *warning is cleared.
+Isa choose_isa(const char* value, Isa best, std::string* warning);
 /// Forces a level (tests, benchmarks). Throws std::invalid_argument if the CPU lacks it.
 void set_isa(Isa isa);
 

@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <stdexcept>
@@ -99,19 +100,33 @@ Isa detected_isa() {
 namespace {
 std::atomic<int> g_isa{-1};
 Isa from_env() {
-  const Isa best = detected_isa();
-  const char* e = std::getenv("ONNX_LIGHT_ISA");
-  if (e == nullptr || *e == '\0') return best;
-  const std::string s(e);
-  Isa want = best;
+  std::string warning;
+  const Isa isa = choose_isa(std::getenv("ONNX_LIGHT_ISA"), detected_isa(), &warning);
+  if (!warning.empty()) std::fprintf(stderr, "onnx_light_ep: %s\n", warning.c_str());
+  return isa;
+}
+}  // namespace
+
+Isa choose_isa(const char* value, Isa best, std::string* warning) {
+  warning->clear();
+  if (value == nullptr || *value == '\0') return best;
+  const std::string s(value);
+  Isa want;
   if (s == "scalar") want = Isa::kScalar;
   else if (s == "avx2") want = Isa::kAvx2;
   else if (s == "avx512") want = Isa::kAvx512;
   else if (s == "avx512_bf16") want = Isa::kAvx512Bf16;
-  else return best;
-  return static_cast<int>(want) <= static_cast<int>(best) ? want : best;
+  else {
+    *warning = "ONNX_LIGHT_ISA=" + s + " is not a level (scalar, avx2, avx512, avx512_bf16); using " + isa_name(best);
+    return best;
+  }
+  if (static_cast<int>(want) > static_cast<int>(best)) {
+    *warning = "ONNX_LIGHT_ISA=" + s + ": this CPU does not support it (levels: scalar up to " + isa_name(best) +
+               "); using " + isa_name(best);
+    return best;
+  }
+  return want;
 }
-}  // namespace
 
 Isa active_isa() {
   int v = g_isa.load(std::memory_order_relaxed);

@@ -802,7 +802,23 @@ void run_all() {
   nonfinite_matches_scalar(DType::kBFloat16);
 }
 
+// ONNX_LIGHT_ISA values: a level the CPU lacks or an unknown name gives the best level and a
+// warning naming the levels.
+void isa_environment_values() {
+  std::string w;
+  CHECK(choose_isa(nullptr, Isa::kAvx2, &w) == Isa::kAvx2 && w.empty());
+  CHECK(choose_isa("", Isa::kAvx2, &w) == Isa::kAvx2 && w.empty());
+  CHECK(choose_isa("scalar", Isa::kAvx2, &w) == Isa::kScalar && w.empty());
+  CHECK(choose_isa("avx512", Isa::kAvx2, &w) == Isa::kAvx2);
+  CHECK(w.find("ONNX_LIGHT_ISA=avx512: this CPU does not support it") != std::string::npos &&
+        w.find("using avx2") != std::string::npos);
+  CHECK(choose_isa("bogus", Isa::kAvx512Bf16, &w) == Isa::kAvx512Bf16);
+  CHECK(w.find("is not a level (scalar, avx2, avx512, avx512_bf16)") != std::string::npos);
+  CHECK(choose_isa("avx512_bf16", Isa::kAvx512Bf16, &w) == Isa::kAvx512Bf16 && w.empty());
+}
+
 int main() {
+  isa_environment_values();
   for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Bf16}) {
     if (static_cast<int>(isa) > static_cast<int>(detected_isa())) {
       std::printf("ISA %s: not supported by this CPU, not run\n", isa_name(isa));
