@@ -79,7 +79,7 @@ def _ids(text: Optional[str]) -> Optional[List[List[int]]]:
     try:
         return [[int(x) for x in row.replace(" ", ",").split(",") if x] for row in text.split(";") if row.strip()]
     except ValueError:
-        raise SystemExit(f"error: --prompt-ids; expected comma-separated integers, got {text!r}")
+        raise ValueError(f"--prompt-ids; expected comma-separated integers, got {text!r}") from None
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:

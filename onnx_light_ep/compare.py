@@ -195,6 +195,13 @@ def compare(original, converted=None, *, prompt: Optional[str] = None,
 
     if batch_size < 1:
         raise ValueError(f"compare: batch_size; expected >= 1, got {batch_size}")
+    if steps < 0:
+        raise ValueError(f"compare: steps; expected >= 0 (decode steps after the prefill), got {steps}")
+    if prefill < 1:
+        raise ValueError(f"compare: prefill; expected >= 1 (prompt tokens), got {prefill}")
+    if tokenizer_dir is not None and not os.path.isdir(os.fspath(tokenizer_dir)):
+        raise ValueError(f"compare: tokenizer_dir; expected a folder with tokenizer.json, got "
+                         f"{os.fspath(tokenizer_dir)!r} (not a folder)")
     original = os.fspath(original)
     for what, path in (("original", original), ("converted", converted)):
         if path is not None and not os.path.isfile(os.fspath(path)):

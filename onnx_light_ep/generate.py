@@ -16,6 +16,7 @@ model folder's ``genai_config.json``/``generation_config.json``/tokenizer, or
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import tempfile
@@ -123,9 +124,17 @@ def generate(model, prompt: Union[str, Sequence[str], None] = None, *,
 
     if max_new_tokens < 1:
         raise ValueError(f"generate: max_new_tokens; expected >= 1, got {max_new_tokens}")
+    if not (math.isfinite(temperature) and temperature >= 0.0):
+        raise ValueError(f"generate: temperature; expected a finite number >= 0 (0 = greedy), got {temperature}")
     if top_k < 0 or not 0.0 < top_p <= 1.0:
         raise ValueError(f"generate: top_k/top_p; expected top_k >= 0 and 0 < top_p <= 1, got {top_k}, {top_p}")
+    if tokenizer_dir is not None and not os.path.isdir(os.fspath(tokenizer_dir)):
+        raise ValueError(f"generate: tokenizer_dir; expected a folder with tokenizer.json, got "
+                         f"{os.fspath(tokenizer_dir)!r} (not a folder)")
     path = os.fspath(model)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"generate: model; expected an ONNX file, got {path!r} "
+                                f"({'a folder' if os.path.isdir(path) else 'not found'})")
     src_dir = os.path.dirname(os.path.abspath(path))
     tmp = None
     try:
@@ -142,12 +151,24 @@ def generate(model, prompt: Union[str, Sequence[str], None] = None, *,
                 raise ValueError("generate: prompt; expected token ids (no tokenizer.json usable with the "
                                  "tokenizers package next to the model), got text")
             texts = [prompt] if isinstance(prompt, str) else list(prompt)
+            for i, t in enumerate(texts):
+                if not t:
+                    raise ValueError(f"generate: prompt[{i}]; expected non-empty text, got {t!r}")
             if chat:
                 texts = [tok.chat_prompt(t) or t for t in texts]
             prompt_ids = [tok.encode(t) for t in texts]
         if not prompt_ids:
             raise ValueError("generate: expected a prompt or prompt_ids")
         rows = [list(map(int, p)) for p in prompt_ids]
+        for i, r in enumerate(rows):
+            if not r:
+                raise ValueError(f"generate: prompt_ids[{i}]; expected at least one token id, got []")
+        limit = meta.get("max_position")
+        longest = max(len(r) for r in rows)
+        if limit and longest + max_new_tokens > int(limit):
+            raise ValueError(f"generate: max_new_tokens; the prompt ({longest} tokens) plus {max_new_tokens} new "
+                             f"tokens exceeds the model's {int(limit)} positions (onnx_light.max_position); "
+                             f"expected max_new_tokens <= {int(limit) - longest}")
         eos = set(eos_token_ids) if eos_token_ids is not None else (
             tok.eos_token_ids if tok is not None else _eos_ids(tokenizer_dir or "", src_dir))
         if session is None:
@@ -158,6 +179,14 @@ def generate(model, prompt: Union[str, Sequence[str], None] = None, *,
             if threads:
                 so.intra_op_num_threads = int(threads)
             session = InferenceSession(path, so, provider_options)
+        logits_shape = next((o.shape for o in session.get_outputs()
+                             if o.name == (meta.get("logits_output") or session.get_outputs()[0].name)), None)
+        vocab = logits_shape[-1] if logits_shape and isinstance(logits_shape[-1], int) else None
+        for i, r in enumerate(rows):
+            bad = [t for t in r if t < 0 or (vocab is not None and t >= vocab)]
+            if bad:
+                raise ValueError(f"generate: prompt_ids[{i}]; expected token ids in [0, {vocab}) (the model's "
+                                 f"vocabulary), got {bad[0]}")
         pairs = [tuple(p) for p in meta.get("tensor_pairs", [])]
         pasts = PastFeeds(session, pairs, len(rows), meta["head_dim"], meta["v_head_dim"]) if pairs else None
         check_inputs(session, ["input_ids", "attention_mask", "position_ids", "seqlens_k", "total_sequence_length",

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 import onnx
 
 import rw_graphs as G
@@ -113,3 +114,41 @@ def test_module_entry_point_help():
                          env=dict(os.environ), check=True).stdout
     for cmd in ("convert", "compare", "generate", "demo"):
         assert cmd in out
+
+
+def test_generate_and_compare_refuse_bad_arguments(tmp_path, capsys):
+    src = _model(tmp_path)
+    dst = str(tmp_path / "g.onnx")
+    assert main(["convert", src, "-o", dst]) == 0
+    capsys.readouterr()
+    base = ["generate", dst, "--max-new-tokens", "2", "-q"]
+    cases = [
+        (["--prompt-ids", "3,4", "--temperature", "-1"], "temperature; expected a finite number >= 0"),
+        (["--prompt-ids", "3,4", "--temperature", "nan"], "temperature; expected a finite number >= 0"),
+        (["--prompt-ids", "3,4", "--tokenizer", str(tmp_path / "nope")], "tokenizer_dir; expected a folder"),
+        (["--prompt-ids", "1,,x"], "--prompt-ids; expected comma-separated integers"),
+        (["--prompt-ids", "3,100000"], "expected token ids in [0, "),
+        (["--prompt-ids", "3,-2"], "expected token ids in [0, "),
+    ]
+    for extra, words in cases:
+        assert main(base + extra) == 2, extra
+        assert words in capsys.readouterr().err, extra
+    assert main(["generate", str(tmp_path / "missing.onnx"), "--prompt-ids", "3"]) == 2
+    assert "generate: model; expected an ONNX file" in capsys.readouterr().err
+    assert main(["generate", str(tmp_path), "--prompt-ids", "3"]) == 2
+    assert "(a folder)" in capsys.readouterr().err
+    assert main(["compare", src, dst, "--steps", "-1", "-q"]) == 2
+    assert "steps; expected >= 0" in capsys.readouterr().err
+
+
+def test_generate_refuses_more_tokens_than_positions(tmp_path):
+    from onnx_light_ep.generate import generate
+    from onnx_light_ep.rewrite import read_metadata
+
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "genai_llama_fp32.onnx")
+    dst = str(tmp_path / "g.onnx")
+    assert main(["convert", src, "-o", dst]) == 0
+    limit = read_metadata(dst).get("max_position")
+    assert limit, "the genai builder's export records its rotary table length"
+    with pytest.raises(ValueError, match=rf"exceeds the model's {limit} positions .*max_new_tokens <= {limit - 3}"):
+        generate(dst, prompt_ids=[[3, 4, 5]], max_new_tokens=limit)
