@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -145,7 +146,11 @@ def convert(input_path, output_path, *, keep_present: Sequence[str] = (), slidin
     if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window <= 0):
         raise ConvertError(f"convert: sliding_window; expected a positive int or None, got {sliding_window!r}")
     base_dir = os.path.dirname(os.path.abspath(src))
-    original = onnx.load(src, load_external_data=False)
+    try:
+        original = onnx.load(src, load_external_data=False)
+    except Exception as e:  # protobuf DecodeError, truncated or random bytes
+        raise ConvertError(f"convert: input_path; {src!r} is not a readable ONNX model "
+                           f"({type(e).__name__}: {str(e) or 'no detail'})") from None
     protected = {os.path.realpath(src)} | external_data_files(original, base_dir)
     dst_data = dst + ".data"
     for path, what in ((dst, "output_path"), (dst_data, "output external data file")):
@@ -199,11 +204,30 @@ def convert(input_path, output_path, *, keep_present: Sequence[str] = (), slidin
         "tensor_pairs": tensor_pairs, "max_position": max_position,
     }
     write_metadata(res.model, meta)
-    _save(res.model, dst, base_dir, original)
-    _copy_tokenizer_files(base_dir, os.path.dirname(os.path.abspath(dst)))
+    _check_single_producers(res.model)
     notes = list(res.notes)
-    if check:
-        notes += _check(src, dst)
+    out_dir = os.path.dirname(os.path.abspath(dst))
+    if not os.path.isdir(out_dir):
+        notes.append(f"created the output folder {out_dir}")
+    # Written under a temporary folder next to the output and moved into place only once it is
+    # complete and checked: a convert that fails leaves no broken output behind.
+    os.makedirs(out_dir, exist_ok=True)
+    tmp_dir = tempfile.mkdtemp(prefix=".onnx_light_convert_", dir=out_dir)
+    try:
+        tmp_dst = os.path.join(tmp_dir, os.path.basename(dst))
+        _save(res.model, tmp_dst, base_dir, original)
+        if check:
+            notes += _check(src, tmp_dst)
+        for name in (os.path.basename(dst) + ".data", os.path.basename(dst)):  # the model file last
+            if os.path.exists(os.path.join(tmp_dir, name)):
+                os.replace(os.path.join(tmp_dir, name), os.path.join(out_dir, name))
+            elif name.endswith(".data") and os.path.exists(os.path.join(out_dir, name)):
+                os.remove(os.path.join(out_dir, name))  # a stale data file of an earlier output
+    finally:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+    copied = _copy_tokenizer_files(base_dir, out_dir)
+    if copied:
+        notes.append(f"copied {', '.join(copied)} from {base_dir} to {out_dir}")
     return ConvertReport(
         input_path=src, output_path=dst, num_layers=len(plans), kv_num_heads=p0.kv_num_heads,
         head_dim=p0.head_dim, v_head_dim=p0.v_head_dim, dtype=FLOAT_TYPES[p0.elem_type],
@@ -250,12 +274,33 @@ def _untouched_pairs(res) -> List[List[str]]:
 
 
 def _max_position(res) -> Optional[int]:
+    """Rows of the rotary cos_cache (GroupQueryAttention input 7): from the data, checked against
+    the declared dims (a declared [2^40, D] holding [512, D] is an error, not 2^40 positions)."""
     for p in res.plans:
         if p.pattern == "GroupQueryAttention" and len(p.anchor.input) > 7 and p.anchor.input[7]:
             for t in res.model.graph.initializer:
                 if t.name == p.anchor.input[7] and len(t.dims) == 2:
+                    declared = int(t.dims[0]) * int(t.dims[1])
+                    held = _held_elements(t)
+                    if held is not None and held != declared:
+                        raise ConvertError(f"convert: initializer {t.name!r} (cos_cache) declares dims "
+                                           f"{list(t.dims)} ({declared} elements) but holds {held} elements")
                     return int(t.dims[0])
     return None
+
+
+def _held_elements(t: onnx.TensorProto) -> Optional[int]:
+    """Elements an initializer's data holds (None for external data, not read here)."""
+    if t.data_location == TensorProto.EXTERNAL:
+        return None
+    size = onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+    if t.HasField("raw_data"):
+        return len(t.raw_data) // size
+    for field_name in ("float_data", "int32_data", "int64_data", "double_data", "uint64_data"):
+        vals = getattr(t, field_name)
+        if len(vals):
+            return len(vals)
+    return 0
 
 
 # Files a tokenizer/chat template needs, copied next to a converted model written to another
@@ -264,13 +309,33 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "generation_config.json")
 
 
-def _copy_tokenizer_files(src_dir: str, dst_dir: str) -> None:
+def _copy_tokenizer_files(src_dir: str, dst_dir: str) -> List[str]:
+    """Copies the tokenizer files that are regular files inside src_dir (never a symlink, which
+    could point anywhere) and absent from dst_dir; returns their names."""
     if os.path.realpath(src_dir) == os.path.realpath(dst_dir):
-        return
+        return []
+    copied = []
     for name in TOKENIZER_FILES:
         a, b = os.path.join(src_dir, name), os.path.join(dst_dir, name)
-        if os.path.isfile(a) and not os.path.exists(b):
-            shutil.copyfile(a, b)
+        if os.path.islink(a) or not os.path.isfile(a) or os.path.lexists(b):
+            continue
+        shutil.copyfile(a, b, follow_symlinks=False)
+        copied.append(name)
+    return copied
+
+
+def _check_single_producers(model: onnx.ModelProto) -> None:
+    """Every tensor of the converted graph has one producer (graph input, initializer or one node
+    output): a defect onnx.checker may not reach when the input model already fails it earlier."""
+    seen = {i.name for i in model.graph.input} | {t.name for t in model.graph.initializer}
+    for n in model.graph.node:
+        for o in n.output:
+            if not o:
+                continue
+            if o in seen:
+                raise ConvertError(f"convert: the converted graph would have two producers of tensor {o!r} "
+                                   f"(node {n.name or n.op_type!r}); nothing was written")
+            seen.add(o)
 
 
 def _save(model: onnx.ModelProto, dst: str, base_dir: str, original: onnx.ModelProto) -> None:

@@ -1,0 +1,62 @@
+"""convert on hostile inputs: unreadable files are ConvertErrors naming the path, tokenizer files
+are copied only as regular files from inside the model's folder (never through a symlink), a
+failing convert leaves nothing behind, and a rotary table whose declared dims disagree with its
+data is refused."""
+import os
+
+import onnx
+import pytest
+
+import onnx_light_ep.rewrite._api as api
+from onnx_light_ep.rewrite import ConvertError, convert
+
+DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
+GENAI = os.path.join(DATA, "genai_llama_fp32.onnx")
+
+
+@pytest.mark.parametrize("content", [os.urandom(4096), b"", open(GENAI, "rb").read()[:5000]],
+                         ids=["random", "empty", "truncated"])
+def test_unreadable_input_is_a_convert_error_naming_it(tmp_path, content):
+    src = tmp_path / "bad.onnx"
+    src.write_bytes(content)
+    with pytest.raises(ConvertError, match="bad.onnx"):
+        convert(src, tmp_path / "out.onnx")
+    assert not (tmp_path / "out.onnx").exists()
+
+
+def test_tokenizer_files_only_regular_files_inside_the_folder(tmp_path):
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    m = onnx.load(GENAI)
+    onnx.save(m, model_dir / "model.onnx")
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not a tokenizer")
+    os.symlink(secret, model_dir / "tokenizer.json")
+    (model_dir / "tokenizer_config.json").write_text("{}")
+    out_dir = tmp_path / "out"
+    report = convert(model_dir / "model.onnx", out_dir / "model.onnx")
+    assert not (out_dir / "tokenizer.json").exists()
+    assert (out_dir / "tokenizer_config.json").read_text() == "{}"
+    assert any("copied tokenizer_config.json" in n and "tokenizer.json," not in n for n in report.notes), report.notes
+    assert any("created the output folder" in n for n in report.notes)
+
+
+def test_failed_convert_leaves_nothing(tmp_path, monkeypatch):
+    def fail(src, dst):
+        raise ConvertError("convert: the converted model fails onnx.checker: simulated")
+
+    monkeypatch.setattr(api, "_check", fail)
+    with pytest.raises(ConvertError, match="simulated"):
+        convert(GENAI, tmp_path / "out.onnx")
+    assert os.listdir(tmp_path) == []
+
+
+def test_declared_rotary_dims_must_match_the_data(tmp_path):
+    m = onnx.load(GENAI)
+    gqa = next(n for n in m.graph.node if n.op_type == "GroupQueryAttention")
+    cos = next(t for t in m.graph.initializer if t.name == gqa.input[7])
+    cos.dims[0] = 1 << 40
+    src = tmp_path / "m.onnx"
+    onnx.save(m, src)
+    with pytest.raises(ConvertError, match=r"declares dims \[1099511627776, "):
+        convert(src, tmp_path / "out.onnx")
