@@ -205,7 +205,8 @@ def compare(original, converted=None, *, prompt: Optional[str] = None,
     original = os.fspath(original)
     for what, path in (("original", original), ("converted", converted)):
         if path is not None and not os.path.isfile(os.fspath(path)):
-            raise FileNotFoundError(f"compare: {what}; expected an ONNX file, got {os.fspath(path)!r} (not found)")
+            raise FileNotFoundError(f"compare: {what}; expected an ONNX file, got {os.fspath(path)!r} "
+                                    f"({'a folder' if os.path.isdir(os.fspath(path)) else 'not found'})")
     tmp = None
     if converted is None:
         tmp = tempfile.TemporaryDirectory(prefix="onnx_light_compare_")

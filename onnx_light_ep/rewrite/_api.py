@@ -142,7 +142,8 @@ def convert(input_path, output_path, *, keep_present: Sequence[str] = (), slidin
     src = os.fspath(input_path)
     dst = os.fspath(output_path)
     if not os.path.isfile(src):
-        raise FileNotFoundError(f"convert: input_path; expected an ONNX file, got {src!r} (not found)")
+        raise FileNotFoundError(f"convert: input_path; expected an ONNX file, got {src!r} "
+                                f"({'a folder' if os.path.isdir(src) else 'not found'})")
     if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window <= 0):
         raise ConvertError(f"convert: sliding_window; expected a positive int or None, got {sliding_window!r}")
     base_dir = os.path.dirname(os.path.abspath(src))

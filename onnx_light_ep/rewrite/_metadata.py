@@ -63,7 +63,13 @@ def _raw_map(model: Any) -> Dict[str, str]:
     if isinstance(model, (str, os.PathLike)):
         import onnx
 
-        proto = onnx.load(os.fspath(model), load_external_data=False)
+        try:
+            proto = onnx.load(os.fspath(model), load_external_data=False)
+        except (OSError, ValueError):
+            raise
+        except Exception as e:  # protobuf DecodeError: not an ONNX file
+            raise ValueError(f"read_metadata: model; {os.fspath(model)!r} is not a readable ONNX model "
+                             f"({type(e).__name__}: {str(e) or 'no detail'})") from None
         return {p.key: p.value for p in proto.metadata_props}
     if hasattr(model, "metadata_props"):
         return {p.key: p.value for p in model.metadata_props}

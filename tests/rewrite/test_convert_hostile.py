@@ -60,3 +60,18 @@ def test_declared_rotary_dims_must_match_the_data(tmp_path):
     onnx.save(m, src)
     with pytest.raises(ConvertError, match=r"declares dims \[1099511627776, "):
         convert(src, tmp_path / "out.onnx")
+
+
+def test_cli_names_non_onnx_files_and_folders(tmp_path, capsys):
+    from onnx_light_ep.cli import main
+
+    junk = tmp_path / "junk.onnx"
+    junk.write_bytes(os.urandom(2048))
+    for argv, words in [
+        (["convert", str(junk), "-o", str(tmp_path / "o.onnx")], "junk.onnx' is not a readable ONNX model"),
+        (["convert", str(tmp_path), "-o", str(tmp_path / "o.onnx")], "(a folder)"),
+        (["generate", str(junk), "--prompt-ids", "1"], "junk.onnx' is not a readable ONNX model"),
+        (["compare", str(tmp_path), "-q"], "(a folder)"),
+    ]:
+        assert main(argv) == 2, argv
+        assert words in capsys.readouterr().err, argv
