@@ -134,7 +134,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from .generate import generate
+    from .generate import GenerateError, generate
     from .rewrite import ConvertError
 
     prompts = args.prompt if args.prompt else None
@@ -147,6 +147,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                        top_p=args.top_p, seed=args.seed, tokenizer_dir=args.tokenizer, stream=stream,
                        progress=not args.quiet, threads=args.threads)
+    except GenerateError as e:
+        print()
+        part = e.partial
+        for b in range(len(part.token_ids)):
+            shown = part.texts[b] if part.texts else part.token_ids[b]
+            print(f"[{b}] generated before the failure: {shown!r}", file=sys.stderr)
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except (ConvertError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -28,7 +28,7 @@ import numpy as np
 
 from ._runner import DecodeState, PastFeeds, check_inputs
 
-__all__ = ["GenerateResult", "generate", "sample_next"]
+__all__ = ["GenerateError", "GenerateResult", "generate", "sample_next"]
 
 
 @dataclass
@@ -52,6 +52,15 @@ class GenerateResult:
     def tokens_per_second(self) -> float:
         n = self.decode_steps * len(self.token_ids)
         return n / self.decode_seconds if self.decode_seconds > 0 else float("nan")
+
+
+class GenerateError(RuntimeError):
+    """A run failed after generation started: ``partial`` is the :class:`GenerateResult` of the
+    tokens generated before the failure (``__cause__`` is the original error)."""
+
+    def __init__(self, message: str, partial: "GenerateResult"):
+        super().__init__(message)
+        self.partial = partial
 
 
 def sample_next(logits: np.ndarray, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
@@ -202,6 +211,13 @@ def generate(model, prompt: Union[str, Sequence[str], None] = None, *,
         prefill_s = decode_s = 0.0
         steps = 0
         tick = _Progress(max_new_tokens, progress and stream is None)
+        def partial_result():
+            return GenerateResult(token_ids=[list(g) for g in generated],
+                                  texts=[tok.decode(g) for g in generated] if tok is not None else None,
+                                  prompt_lengths=[len(r) for r in rows], finished=list(finished),
+                                  prefill_seconds=prefill_s, decode_seconds=decode_s, decode_steps=steps,
+                                  providers=session.get_providers())
+
         with KVCache.for_model(session, len(rows), state.total_length + max_new_tokens,
                                **(cache_options or {})) as cache:
             for step in range(max_new_tokens):
@@ -209,7 +225,13 @@ def generate(model, prompt: Union[str, Sequence[str], None] = None, *,
                 if pasts is not None:
                     feeds.update(pasts.values)
                 t0 = time.perf_counter()
-                outs = dict(zip(out_names, session.run(None, feeds)))
+                try:
+                    outs = dict(zip(out_names, session.run(None, feeds)))
+                except Exception as e:
+                    tick.close()
+                    raise GenerateError(f"generate: the run of step {step} failed after "
+                                        f"{sum(map(len, generated))} generated token(s): {e}",
+                                        partial_result()) from e
                 dt = time.perf_counter() - t0
                 if pasts is not None:
                     pasts.update(outs)

@@ -152,3 +152,26 @@ def test_generate_refuses_more_tokens_than_positions(tmp_path):
     assert limit, "the genai builder's export records its rotary table length"
     with pytest.raises(ValueError, match=rf"exceeds the model's {limit} positions .*max_new_tokens <= {limit - 3}"):
         generate(dst, prompt_ids=[[3, 4, 5]], max_new_tokens=limit)
+
+
+def test_generate_failure_keeps_what_was_generated(tmp_path, capsys):
+    """A run failing mid-generation reports the tokens generated so far and the reason."""
+    from onnx_light_ep import InferenceSession
+    from onnx_light_ep.generate import GenerateError, generate
+
+    src = _model(tmp_path)
+    dst = str(tmp_path / "g.onnx")
+    assert main(["convert", src, "-o", dst]) == 0
+    sess = InferenceSession(dst)
+    real_run, calls = sess.run, []
+
+    def run(*a, **k):
+        calls.append(1)
+        if len(calls) == 4:
+            raise RuntimeError("simulated failure")
+        return real_run(*a, **k)
+
+    sess.run = run
+    with pytest.raises(GenerateError, match="step 3 failed after 3 generated token") as e:
+        generate(dst, prompt_ids=[[3, 4, 5]], max_new_tokens=8, session=sess, eos_token_ids=[])
+    assert len(e.value.partial.token_ids[0]) == 3 and "simulated failure" in str(e.value)
