@@ -233,6 +233,27 @@ void KVCache::truncate_locked(const std::vector<int64_t>& lengths) {
     for (int64_t l = 0; l < g_.num_layers; ++l)
       for (int64_t h = 0; h < H; ++h) need += quantized_tail(content_.table(l, b, B), n, h) ? 1 : 0;
   }
+  // The cache quota on what it would hold afterwards: its pages minus those the truncation
+  // releases (cut-off blocks, the int8 pages the native copies replace), plus the copies.
+  if (need > 0 && g_.memory_limit_bytes > 0) {
+    PageHolds after = content_.holds;
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t n = lengths[static_cast<size_t>(b)];
+      if (n == content_.lens[static_cast<size_t>(b)]) continue;
+      for (int64_t l = 0; l < g_.num_layers; ++l) {
+        const PageTable& t = content_.table(l, b, B);
+        for (int64_t h = 0; h < H; ++h)
+          if (Page* q = quantized_tail(t, n, h)) after.remove(q);
+        const int64_t keep_end = n == 0 ? t.first_block : (n + P - 1) / P;
+        for (size_t i = static_cast<size_t>(std::max<int64_t>(0, keep_end - t.first_block) * H); i < t.pages.size(); ++i)
+          after.remove(t.pages[i]);
+      }
+    }
+    if (after.bytes() + need * g_.page_bytes() > g_.memory_limit_bytes)
+      throw MemoryLimitError("cache memory_limit_bytes is " + str(g_.memory_limit_bytes) + ": truncating into " +
+                             str(need) + " int8 page(s) needs as many native pages (" + str(need * g_.page_bytes()) +
+                             " bytes) and the cache would still hold " + str(after.bytes()) + " bytes");
+  }
   std::vector<Page*> natives;
   pool_->allocate(g_.page_bytes(), need, &natives);  // MemoryLimitError: nothing changed
   take_over_locked("truncate");

@@ -15,7 +15,6 @@ void KVCache::quantize_cold_locked() noexcept {
   // A native page shared by several sequences of this cache (a fork with repeated indices, a
   // beam reorder) becomes one int8 page they all share; nullptr = left native (not finite).
   std::unordered_map<const Page*, Page*> done;
-  std::vector<Page*> drop;
   try {
     for (int64_t l = 0; l < g_.num_layers; ++l)
       for (int64_t b = 0; b < B; ++b) {
@@ -43,11 +42,15 @@ void KVCache::quantize_cold_locked() noexcept {
               }
               done[slot] = q;
             }
-            if (!q) continue;  // inf or NaN in the page: it stays native
+            if (!q) continue;  // inf, NaN or huge values in the page: it stays native
             content_.holds.remove(slot);
-            drop.push_back(slot);
+            Page* old = slot;
             slot = q;
             content_.holds.add(q);
+            // This table's reference goes at once (not at the end): under a pool budget the
+            // native bytes it frees let the next int8 page be allocated. Other holders keep
+            // theirs (another sequence of this cache gets the same int8 page from done[]).
+            pool_->release(&old, 1);
           }
           t.quant_next = blk + 1;
         }
@@ -56,7 +59,6 @@ void KVCache::quantize_cold_locked() noexcept {
     // The pool's budget (or the OS) refused a page: what is quantized stays so, the rest stays
     // native until a later commit (quant_next was not advanced past the refused block).
   }
-  pool_->release(drop);
 }
 
 }  // namespace olep

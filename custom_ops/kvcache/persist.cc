@@ -112,7 +112,10 @@ void KVCache::save(const std::string& path) const {
     Writer w(file.f, tmp);
     w.put(kMagic, sizeof(kMagic));
     const uint32_t version = kVersion;
-    const uint32_t header = static_cast<uint32_t>(16 + 8 * (kFixedFields + L + B + 2 * L * B));
+    const int64_t header_bytes = 16 + 8 * (kFixedFields + L + B + 2 * L * B);
+    if (header_bytes > static_cast<int64_t>(UINT32_MAX))
+      throw std::runtime_error("could not save: the header of " + str(header_bytes) + " bytes exceeds the format's 4 GiB");
+    const uint32_t header = static_cast<uint32_t>(header_bytes);
     w.put(&version, sizeof(version));
     w.put(&header, sizeof(header));
     for (int64_t v : {g_.num_layers, g_.batch_size, g_.kv_num_heads, g_.head_dim, g_.v_head_dim,
@@ -215,8 +218,15 @@ std::unique_ptr<KVCache> KVCache::load(const std::string& path, std::shared_ptr<
     throw std::invalid_argument(path + ": bad geometry in the header: " + e.what());
   }
   const int64_t L = g.num_layers, B = g.batch_size, H = g.kv_num_heads, P = g.page_tokens;
-  if (header != static_cast<uint32_t>(16 + 8 * (kFixedFields + L + B + 2 * L * B)))
-    throw std::invalid_argument(path + ": header size " + str(header) + " does not match its geometry");
+  // In 64 bits (L * B reaches 2^28: a 32-bit size wraps), and within the file, before the
+  // per-(layer, sequence) arrays are allocated.
+  const int64_t header_bytes = 16 + 8 * (kFixedFields + L + B + 2 * L * B);
+  if (static_cast<int64_t>(header) != header_bytes)
+    throw std::invalid_argument(path + ": header size " + str(header) + " does not match its geometry (" +
+                                str(header_bytes) + " bytes)");
+  if (header_bytes > file_size)
+    throw std::invalid_argument(path + ": the header describes " + str(header_bytes) + " bytes of header; the file "
+                                "has " + str(file_size) + " (truncated or not a complete KVCache file)");
   std::vector<int64_t> lens(static_cast<size_t>(B)), first(static_cast<size_t>(L * B)),
       qnext(static_cast<size_t>(L * B));
   for (auto& v : lens) v = r.get_i64("seq_lens");
@@ -321,6 +331,7 @@ std::unique_ptr<KVCache> KVCache::load(const std::string& path, std::shared_ptr<
   if (std::fread(&stored, 1, sizeof(stored), file.f) != sizeof(stored) || stored != sum)
     throw std::invalid_argument(path + ": checksum mismatch (the file is corrupted)");
   cache->bytes_appended_ = 0;
+  cache->quantize_cold_locked();  // as after a commit (a file written by an earlier policy run)
   return cache;
 }
 

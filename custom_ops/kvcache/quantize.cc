@@ -42,13 +42,15 @@ bool quantize_page_int8(const CacheGeometry& g, const char* src, char* dst) {
   const char* ksrc = src;
   const char* vsrc = src + g.value_offset();
   std::vector<float> k(static_cast<size_t>(P * D)), v(static_cast<size_t>(P * Dv));
+  // Values of magnitude >= 2^126 stay native too: 127 * (max / 127) may round up to inf there.
+  constexpr float kMax = 8.507059e37f;  // 2^126
   for (int64_t i = 0; i < P * D; ++i) {
     k[static_cast<size_t>(i)] = load(t, ksrc, i);
-    if (!std::isfinite(k[static_cast<size_t>(i)])) return false;
+    if (!(std::fabs(k[static_cast<size_t>(i)]) < kMax)) return false;
   }
   for (int64_t i = 0; i < P * Dv; ++i) {
     v[static_cast<size_t>(i)] = load(t, vsrc, i);
-    if (!std::isfinite(v[static_cast<size_t>(i)])) return false;
+    if (!(std::fabs(v[static_cast<size_t>(i)]) < kMax)) return false;
   }
   int8_t* kq = reinterpret_cast<int8_t*>(dst);
   int8_t* vq = reinterpret_cast<int8_t*>(dst + g.quant_value_offset());

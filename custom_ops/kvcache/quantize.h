@@ -21,7 +21,8 @@ namespace quant {
 
 /// Quantizes a full native page (`src`, g.page_bytes(), page_tokens valid rows) into `dst`
 /// (g.quant_page_bytes()). Returns false, with dst unspecified, when any K or V element is not
-/// finite (the page then stays native: an int8 code cannot hold inf or NaN).
+/// finite or has magnitude >= 2^126 (the page then stays native: an int8 code cannot hold inf
+/// or NaN, and 127 * scale could round up to inf).
 bool quantize_page_int8(const CacheGeometry& g, const char* src, char* dst);
 
 /// The rows of an int8 block (int8_block), dequantized to the cache dtype into contiguous

@@ -188,3 +188,32 @@ def test_outlier_channels_int8_error(outlier, mean_tol, max_tol, olep, tmp_path)
         assert err.mean() <= mean_tol and err.max() <= max_tol, (err.mean(), err.max())
     finally:
         cache.close()
+
+
+def test_huge_k_scale_times_q_does_not_become_nan(olep, tmp_path):
+    """q times a K scale beyond float32 (q 1e5, one K value 5e37 < 2^126, so the page is int8):
+    folding the scales into q would give inf * code 0 = NaN; the output must match the model (the
+    dequantized values attended as the native path attends them)."""
+    P, D, T = 32, 16, 64
+    rng = np.random.default_rng(9)
+    k = rng.standard_normal((1, 1, T, D)).astype(np.float32)
+    v = rng.standard_normal((1, 1, T, D)).astype(np.float32)
+    k[0, 0, 5, 0] = -5e37
+    k[0, 0, :, 0][np.arange(T) != 5] = 0.0
+    q = rng.standard_normal((1, 1, 1, D)).astype(np.float32)
+    q[..., 0] = 1e5
+    kn = rng.standard_normal((1, 1, 1, D)).astype(np.float32)
+    vn = rng.standard_normal((1, 1, 1, D)).astype(np.float32)
+    sess = session(olep, cache_attention_model(layer_count=1, q_num_heads=1, kv_num_heads=1, head_dim=D,
+                                               dtype="float32", is_causal=1), tmp_path)
+    cache = olep.KVCache.from_past([k], [v], page_tokens=P, kv_quant="int8", recent_tokens=0, sink_tokens=0,
+                                   max_sequence_length=T + 1)
+    try:
+        assert cache.stats()["native_bytes"] == 0
+        ek, ev = cache.export(0)
+        y = ort_utils.run(sess, {"query_0": q, "key_0": kn, "value_0": vn, "kv_cache": cache.handle})["Y_0"]
+        ref = ref_attn(q, kn, vn, ek, ev, causal=True)[0]
+        assert np.all(np.isfinite(y))
+        assert_close(y, ref, np.float32, "huge scale")
+    finally:
+        cache.close()

@@ -123,3 +123,79 @@ def test_checkpoint_restore_and_save_load_keep_int8_bytes(tmp_path):
         bad.write_bytes(bytes(raw))
         with pytest.raises(ValueError, match="checksum"):
             olep.KVCache.load(bad)
+
+
+# ---- regressions from an adversarial review (each failed before its fix) ----
+
+def test_truncate_into_int8_pages_respects_the_cache_quota(tmp_path):
+    import ort_utils
+    from models import cache_attention_model
+
+    sess = ort_utils.make_ep_session(olep, cache_attention_model(layer_count=1, q_num_heads=1, kv_num_heads=1,
+                                                                 head_dim=D, dtype="float32", is_causal=1,
+                                                                 with_seqlens_k=True),
+                                     ort_utils.new_session_options(tmp_path))
+    rng = np.random.default_rng(0)
+    quant_page = -(-(P * 2 * D + 4 * (D + P)) // 64) * 64
+    limit = 5 * quant_page + P * 2 * D * 4  # what the last step needs; no room for two native pages
+    c = olep.KVCache(1, 2, 1, D, max_sequence_length=8 * P, page_tokens=P, kv_quant="int8", recent_tokens=0,
+                     sink_tokens=0, memory_limit_bytes=limit)
+    with c:
+        lens = np.zeros(2, np.int64)
+        for step in range(6):  # one full page per step, alternating sequences: cold at its commit
+            n = np.array([P, 0]) if step % 2 == 0 else np.array([0, P])
+            x = rng.standard_normal((2, 1, P, D)).astype(np.float32)
+            ort_utils.run(sess, {"query_0": x, "key_0": x, "value_0": x, "kv_cache": c.handle,
+                                 "seqlens_k": (lens + n - 1).astype(np.int32)})
+            lens += n
+        assert c.stats()["native_bytes"] == 0
+        before = c.export(0)
+        with pytest.raises(olep.KVCacheMemoryError, match="memory_limit_bytes is"):
+            c.truncate([3 * P - 5, 3 * P - 5])  # inside both sequences' last int8 page
+        assert c.seq_lens.tolist() == [3 * P, 3 * P]
+        after = c.export(0)
+        assert np.array_equal(before[0], after[0]) and np.array_equal(before[1], after[1])
+        c.truncate([3 * P - 5, 3 * P])  # one native page fits
+        assert c.stats()["committed_bytes"] <= limit
+
+
+def test_load_quantizes_pages_a_budget_left_native(tmp_path):
+    rng = np.random.default_rng(1)
+    k = rng.standard_normal((1, H, 4 * P, D)).astype(np.float32)
+    native = 4 * H * P * 2 * D * 4
+    with olep.KVPool(memory_limit_bytes=native) as pool:  # no room for any int8 page next to them
+        c = olep.KVCache.from_past([k], [k], page_tokens=P, kv_quant="int8", recent_tokens=0, sink_tokens=0,
+                                   pool=pool, max_sequence_length=8 * P)
+        with c:
+            assert c.stats()["quantized_bytes"] == 0  # best effort: the budget refused
+            c.save(tmp_path / "c.olkv")
+    with olep.KVCache.load(tmp_path / "c.olkv") as d:
+        st = d.stats()
+        assert st["native_bytes"] == 0 and st["quantized_bytes"] == 4 * H * P * 2 * D
+
+
+def test_quantization_under_a_full_budget_frees_as_it_goes():
+    rng = np.random.default_rng(2)
+    k = rng.standard_normal((1, H, 4 * P, D)).astype(np.float32)
+    native = 4 * H * P * 2 * D * 4
+    quant_page = -(-(P * 2 * D + 4 * (D + P)) // 64) * 64
+    with olep.KVPool(memory_limit_bytes=native + quant_page) as pool:  # room for one int8 page at a time
+        with olep.KVCache.from_past([k], [k], page_tokens=P, kv_quant="int8", recent_tokens=0, sink_tokens=0,
+                                    pool=pool, max_sequence_length=8 * P) as c:
+            assert c.stats()["native_bytes"] == 0
+
+
+def test_crafted_header_is_refused_before_allocating(tmp_path):
+    import resource
+    import struct
+
+    L, B = 4096, 65536
+    wrapped = (16 + 8 * (12 + L + B + 2 * L * B)) & 0xFFFFFFFF  # what a 32-bit size computation gives
+    fields = [L, B, 1, 16, 16, 64, 0, 32, 0, 1, 0, 0]
+    data = b"OLKVCACH" + struct.pack("<II", 2, wrapped) + struct.pack("<12q", *fields) + bytes(8 * (L + B))
+    path = tmp_path / "bomb.olkv"
+    path.write_bytes(data)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(ValueError, match="header size .* does not match its geometry"):
+        olep.KVCache.load(path)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 256 * 1024  # KiB: no GiB allocation
