@@ -39,14 +39,11 @@ using bench::median;
 }  // namespace
 
 int main(int argc, char** argv) {
-  const std::string dt = argc > 1 ? argv[1] : "f16";
-  const int64_t T = argc > 2 ? std::atoll(argv[2]) : 4096;
-  const int64_t P = argc > 3 ? std::atoll(argv[3]) : 128;
-  const int64_t heads = argc > 4 ? std::atoll(argv[4]) : 32;
-  const int64_t G = argc > 5 ? std::atoll(argv[5]) : 1;
-  const int64_t D = argc > 6 ? std::atoll(argv[6]) : 128;
-  const int rounds = argc > 7 ? std::atoi(argv[7]) : 30;
-  const DType dtype = dt == "f32" ? DType::kFloat32 : dt == "bf16" ? DType::kBFloat16 : DType::kFloat16;
+  const bench::DecodeArgs args = bench::decode_args(argc, argv, 4096, 128, 30);
+  const std::string& dt = args.dt;
+  const int64_t T = args.T, P = args.P, heads = args.heads, G = args.G, D = args.D;
+  const int rounds = args.rounds;
+  const DType dtype = args.dtype;
   const size_t es = dtype_size(dtype);
   const size_t row = static_cast<size_t>(D) * es;
   const int64_t per_head = T * 2 * static_cast<int64_t>(row);

@@ -46,15 +46,12 @@ int8_t code(float x, float s) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const std::string dt = argc > 1 ? argv[1] : "f16";
-  const int64_t T = argc > 2 ? std::atoll(argv[2]) : 8192;
-  const int64_t P = argc > 3 ? std::atoll(argv[3]) : 256;
-  const int64_t heads = argc > 4 ? std::atoll(argv[4]) : 32;
-  const int64_t G = argc > 5 ? std::atoll(argv[5]) : 1;
-  const int64_t D = argc > 6 ? std::atoll(argv[6]) : 128;
-  const int rounds = argc > 7 ? std::atoi(argv[7]) : 20;
+  const bench::DecodeArgs args = bench::decode_args(argc, argv, 8192, 256, 20);
+  const std::string& dt = args.dt;
+  const int64_t T = args.T, P = args.P, heads = args.heads, G = args.G, D = args.D;
+  const int rounds = args.rounds;
   const int64_t qgroup = argc > 8 ? std::atoll(argv[8]) : 1;
-  const DType dtype = dt == "f32" ? DType::kFloat32 : dt == "bf16" ? DType::kBFloat16 : DType::kFloat16;
+  const DType dtype = args.dtype;
   const size_t es = dtype_size(dtype);
   const size_t row = static_cast<size_t>(D) * es;
   const int64_t blocks = (T + P - 1) / P;

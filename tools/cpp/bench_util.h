@@ -9,7 +9,10 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 #include <vector>
+
+#include "common/dtype.h"
 
 namespace bench {
 
@@ -32,6 +35,28 @@ inline char* huge_alloc(size_t bytes) {
 inline double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
+}
+
+/// The decode-step drivers' common arguments: [dtype=f16|f32|bf16] [context] [page_tokens]
+/// [heads] [group] [head_dim] [rounds], defaults given per driver.
+struct DecodeArgs {
+  std::string dt;
+  int64_t T, P, heads, G, D;
+  int rounds;
+  olep::DType dtype;
+};
+
+inline DecodeArgs decode_args(int argc, char** argv, int64_t T, int64_t P, int rounds) {
+  DecodeArgs a;
+  a.dt = argc > 1 ? argv[1] : "f16";
+  a.T = argc > 2 ? std::atoll(argv[2]) : T;
+  a.P = argc > 3 ? std::atoll(argv[3]) : P;
+  a.heads = argc > 4 ? std::atoll(argv[4]) : 32;
+  a.G = argc > 5 ? std::atoll(argv[5]) : 1;
+  a.D = argc > 6 ? std::atoll(argv[6]) : 128;
+  a.rounds = argc > 7 ? std::atoi(argv[7]) : rounds;
+  a.dtype = a.dt == "f32" ? olep::DType::kFloat32 : a.dt == "bf16" ? olep::DType::kBFloat16 : olep::DType::kFloat16;
+  return a;
 }
 
 }  // namespace bench
