@@ -101,14 +101,14 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    from .compare import compare, plot, write_json
+    from .compare import compare, format_bytes, plot, write_json
     from .rewrite import ConvertError
 
     try:
         result = compare(args.original, args.converted, prompt=args.prompt, prompt_ids=_ids(args.prompt_ids),
                          batch_size=args.batch_size, prefill=args.prefill, steps=args.steps, atol=args.atol,
                          rtol=args.rtol, threads=args.threads, tokenizer_dir=args.tokenizer, seed=args.seed,
-                         progress=not args.quiet)
+                         progress=not args.quiet, chat=args.chat)
     except (ConvertError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -116,9 +116,10 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         for s in result.steps:
             print(f"step {s.step:3d} {s.kind:7s} S={s.new_tokens:<4d} ctx={s.context_length:<5d} "
                   f"max|d|={s.max_abs:.3g} rel={s.max_rel:.3g} argmax {'=' if s.agree else '!='} "
-                  f"ort {s.ort_ms:7.2f} ms  ep {s.ep_ms:7.2f} ms  x{s.ratio:5.2f}  "
-                  f"copied ort {s.ort_bytes_copied} B ep {s.ep_bytes_copied} B{'' if s.ok else '  MISMATCH'}")
-    if result.texts:
+                  f"ort {s.ort_ms:7.2f} ms  ep {s.ep_ms:7.2f} ms  ORT/EP x{s.ratio:5.2f}  "
+                  f"copied ort {format_bytes(s.ort_bytes_copied)} ep {format_bytes(s.ep_bytes_copied)}"
+                  f"{'' if s.ok else '  MISMATCH'}")
+    if result.texts and not args.quiet:
         for b, t in enumerate(result.texts):
             print(f"row {b}: {t!r}")
     print(result.summary())
@@ -198,6 +199,7 @@ def _add_rewrite_commands(sub) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--prompt", help="prompt text (needs tokenizer.json next to the model)")
     g.add_argument("--prompt-ids", metavar="IDS", help="token ids, comma separated; ';' separates rows")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     p.add_argument("--batch-size", type=int, default=1, help="rows; extra rows are shortened copies (padding)")
     p.add_argument("--prefill", type=int, default=16, help="random prompt length when no prompt is given")
     p.add_argument("--steps", type=int, default=32, help="greedy decode steps after the prefill")

@@ -70,6 +70,14 @@ class StepRecord:
     ok: bool
 
 
+def format_bytes(n: float) -> str:
+    """Bytes in one unit family (B, KiB, MiB, GiB), as every compare figure prints them."""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
 @dataclass
 class CompareResult:
     """Everything :func:`compare` measured; ``ok`` is the verdict."""
@@ -121,8 +129,8 @@ class CompareResult:
                 f"steps; max |dlogits| {self.max_abs:.3g} (rel {self.max_rel:.3g}; atol {self.atol:g}, rtol "
                 f"{self.rtol:g}); argmax agree "
                 f"{agree}/{len(self.steps)}; decode step plain ORT {self.ort_decode_ms:.2f} ms vs EP "
-                f"{self.ep_decode_ms:.2f} ms ({self.ort_decode_ms / self.ep_decode_ms:.2f}x); bytes copied per "
-                f"decode step: plain ORT {ort_copy / 1e6:.2f} MB, EP {ep_copy} B")
+                f"{self.ep_decode_ms:.2f} ms (ORT/EP {self.ort_decode_ms / self.ep_decode_ms:.2f}x); bytes copied "
+                f"per decode step: plain ORT {format_bytes(ort_copy)}, EP {format_bytes(ep_copy)}")
 
     def to_dict(self) -> Dict[str, Any]:
         d = asdict(self)
@@ -159,7 +167,7 @@ def compare(original, converted=None, *, prompt: Optional[str] = None,
             prompt_ids: Optional[Sequence[Sequence[int]]] = None, batch_size: int = 1, prefill: int = 16,
             steps: int = 32, atol: Optional[float] = None, rtol: Optional[float] = None, threads: Optional[int] = None,
             provider_options: Optional[Dict[str, str]] = None, tokenizer_dir: Optional[str] = None,
-            seed: int = 0, progress: bool = False) -> CompareResult:
+            seed: int = 0, progress: bool = False, chat: bool = False) -> CompareResult:
     """Run ``original`` (plain ORT) and ``converted`` (EP + KVCache) side by side.
 
     Args:
@@ -177,6 +185,8 @@ def compare(original, converted=None, *, prompt: Optional[str] = None,
             for models with run-time activation quantization.
         threads: ``intra_op_num_threads`` for both sessions (None = ORT default).
         provider_options: options for ``OnnxLightExecutionProvider``.
+        chat: wrap ``prompt`` in the tokenizer's chat template as one user turn
+            (as ``generate(chat=True)``).
 
     Returns:
         :class:`CompareResult` (``.ok``, ``.summary()``, ``.to_dict()``).
@@ -221,7 +231,7 @@ def compare(original, converted=None, *, prompt: Optional[str] = None,
             if tok is None:
                 raise ValueError("compare: prompt; expected token ids (no tokenizer.json with the tokenizers "
                                  "package next to the model), got text")
-            prompt_ids = [tok.encode(prompt)]
+            prompt_ids = [tok.encode((tok.chat_prompt(prompt) or prompt) if chat else prompt)]
         # plain ORT: CPU EP only, no custom-op library
         sess_a = ort.InferenceSession(original, _session_options(ort, threads), providers=["CPUExecutionProvider"])
         sess_b = InferenceSession(converted, _session_options(ort, threads), provider_options)
@@ -378,7 +388,7 @@ def plot(result: CompareResult, path: str) -> None:
     ax.plot(x, [s.ep_ms for s in dec], label="onnx_light EP (KVCache)")
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("decode step latency (ms)")
-    ax.set_title(os.path.basename(result.original))
+    ax.set_title(f"{os.path.basename(result.original)} (plain ORT) vs {os.path.basename(result.converted)} (EP)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -175,3 +175,16 @@ def test_generate_failure_keeps_what_was_generated(tmp_path, capsys):
     with pytest.raises(GenerateError, match="step 3 failed after 3 generated token") as e:
         generate(dst, prompt_ids=[[3, 4, 5]], max_new_tokens=8, session=sess, eos_token_ids=[])
     assert len(e.value.partial.token_ids[0]) == 3 and "simulated failure" in str(e.value)
+
+
+def test_compare_output_units_and_quiet(tmp_path, capsys):
+    src = _model(tmp_path)
+    assert main(["compare", src, "--steps", "3", "--prompt-ids", "3,4,5"]) == 0
+    out = capsys.readouterr().out
+    step_lines = [ln for ln in out.splitlines() if ln.startswith("step")]
+    assert step_lines and all("ORT/EP x" in ln for ln in step_lines)
+    assert all(" B" in ln.split("copied ort ")[1] for ln in step_lines)  # B/KiB/MiB, one family
+    assert "(ORT/EP " in out.splitlines()[-1] and "EP 0 B" in out.splitlines()[-1]
+    assert main(["compare", src, "--steps", "3", "--prompt-ids", "3,4,5", "-q"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("compare OK")
