@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # fetch_ort_headers.sh DEST_DIR
+# fetch_ort_headers.sh --print-mirror   (the Debian archive a fetch would use)
 #
 # Fetches the ONNX Runtime C/C++ API headers (Debian sid's `libonnxruntime-dev`,
 # 1.23.x, ORT_API_VERSION 23) into DEST_DIR without touching the system:
@@ -14,7 +15,11 @@
 #
 # Environment:
 #   ONNX_LIGHT_ORT_DEB_SUITE    Debian suite to fetch from (default: sid)
-#   ONNX_LIGHT_ORT_DEB_MIRROR   mirror URL (default: http://deb.debian.org/debian)
+#   ONNX_LIGHT_ORT_DEB_MIRROR   archive URL (default: the first Debian archive URI the
+#                               machine's own apt sources use -- /etc/apt/sources.list,
+#                               sources.list.d/*.list and *.sources, a URI ending in /debian --
+#                               with the suite replaced; else http://deb.debian.org/debian)
+#   ONNX_LIGHT_APT_ETC          apt configuration folder to read the sources from (default /etc/apt)
 #   ONNX_LIGHT_ORT_API_VERSION  expected ORT_API_VERSION (default: 23); a
 #                               different value only prints a warning.
 #
@@ -25,7 +30,37 @@ set -euo pipefail
 readonly PROG=fetch_ort_headers
 readonly PACKAGE=libonnxruntime-dev
 readonly SUITE="${ONNX_LIGHT_ORT_DEB_SUITE:-sid}"
-readonly MIRROR="${ONNX_LIGHT_ORT_DEB_MIRROR:-http://deb.debian.org/debian}"
+# The Debian archive this machine's apt is configured for (so a local mirror or proxy is used).
+readonly APT_ETC="${ONNX_LIGHT_APT_ETC:-/etc/apt}"  # (tests point it at fake sources)
+apt_debian_uri() {
+  local f line uri
+  for f in "$APT_ETC/sources.list" "$APT_ETC"/sources.list.d/*.list; do
+    [[ -r "$f" ]] || continue
+    while read -r line; do
+      [[ "$line" =~ ^deb[[:space:]] ]] || continue
+      line="${line#deb}"
+      line="$(sed -E 's/\[[^]]*\]//' <<<"$line")"
+      uri="$(awk '{print $1}' <<<"$line")"
+      if [[ "$uri" =~ ^https?://.*/debian/?$ ]]; then printf '%s\n' "${uri%/}"; return 0; fi
+    done <"$f"
+  done
+  for f in "$APT_ETC"/sources.list.d/*.sources; do
+    [[ -r "$f" ]] || continue
+    while read -r line; do
+      [[ "$line" =~ ^URIs:[[:space:]]*(.*)$ ]] || continue
+      for uri in ${BASH_REMATCH[1]}; do
+        if [[ "$uri" =~ ^https?://.*/debian/?$ ]]; then printf '%s\n' "${uri%/}"; return 0; fi
+      done
+    done <"$f"
+  done
+  return 1
+}
+MIRROR="${ONNX_LIGHT_ORT_DEB_MIRROR:-}"
+if [[ -z "$MIRROR" ]]; then
+  MIRROR="$(apt_debian_uri || true)"
+  MIRROR="${MIRROR:-http://deb.debian.org/debian}"
+fi
+readonly MIRROR
 readonly KEYRING=/usr/share/keyrings/debian-archive-keyring.gpg
 readonly EXPECTED_API="${ONNX_LIGHT_ORT_API_VERSION:-23}"
 readonly HEADERS=(onnxruntime_c_api.h onnxruntime_ep_c_api.h onnxruntime_cxx_api.h)
@@ -33,6 +68,10 @@ readonly HEADERS=(onnxruntime_c_api.h onnxruntime_ep_c_api.h onnxruntime_cxx_api
 log() { printf '%s: %s\n' "$PROG" "$*" >&2; }
 die() { printf '%s: error: %s\n' "$PROG" "$*" >&2; exit 1; }
 
+if [[ $# -eq 1 && "$1" == --print-mirror ]]; then  # the archive a fetch would use, then exit
+  printf '%s\n' "$MIRROR"
+  exit 0
+fi
 if [[ $# -ne 1 || -z "$1" || "$1" == -* ]]; then
   printf 'usage: %s DEST_DIR\n' "$0" >&2
   printf 'Fetches the ONNX Runtime headers (Debian %s %s) into DEST_DIR and\n' "$SUITE" "$PACKAGE" >&2
@@ -106,7 +145,7 @@ APT_OPTS=(
   -o "APT::Get::List-Cleanup=0"
 )
 
-log "apt-get update (private lists in $APT_DIR, suite $SUITE)"
+log "apt-get update (private lists in $APT_DIR, $MIRROR suite $SUITE)"
 if ! apt-get "${APT_OPTS[@]}" -q update >"$APT_DIR/update.log" 2>&1; then
   cat "$APT_DIR/update.log" >&2
   die "apt-get update for $MIRROR $SUITE failed (network?); log above. Or set ONNXRUNTIME_INCLUDE_DIR"
