@@ -566,7 +566,10 @@ def main_from_args(args, command: Optional[str] = None, metadata: Optional[Dict]
         arena = run_arena(args.out_dir, quick=args.quick, threads=int(args.threads.split(",")[0]), command=command)
         if args.benchmarks_md:
             report.update_benchmarks_md_section(args.benchmarks_md, "arena", arena)
-        print(f"wrote {os.path.join(args.out_dir, 'bench_arena.json')} ({arena['settings']['elapsed_s']:.0f} s)")
+        written = [os.path.join(args.out_dir, n) for n in ("bench_arena.json", "bench_arena.md")]
+        if args.benchmarks_md:
+            written.append(args.benchmarks_md)
+        print(f"wrote {', '.join(w for w in written if os.path.exists(w))} ({arena['settings']['elapsed_s']:.0f} s)")
         if args.arena_only:
             return 0
     result = run_bench(configs, threads=[int(t) for t in args.threads.split(",")], quick=args.quick,
@@ -581,6 +584,8 @@ def main_from_args(args, command: Optional[str] = None, metadata: Optional[Dict]
     if args.benchmarks_md:
         report.update_benchmarks_md(args.benchmarks_md, result,
                                     os.path.join(args.out_dir, "bench_decode.png"))
-    print(f"wrote {os.path.join(args.out_dir, 'bench_decode.json')} "
-          f"({result['settings']['elapsed_s']:.0f} s)")
+    written = [os.path.join(args.out_dir, n) for n in ("bench_decode.json", "bench_decode.md", "bench_decode.png")]
+    if args.benchmarks_md:
+        written.append(args.benchmarks_md)
+    print(f"wrote {', '.join(w for w in written if os.path.exists(w))} ({result['settings']['elapsed_s']:.0f} s)")
     return 0

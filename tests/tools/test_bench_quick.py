@@ -72,3 +72,12 @@ def test_arena_quick(tmp_path):
     assert all(row["evicting_committed_bytes"] <= w["bound_bytes"] for row in w["rows"])
     assert w["rows"][-1]["keeping_committed_bytes"] > w["rows"][-1]["evicting_committed_bytes"]
     assert (tmp_path / "bench_arena.md").read_text().startswith("Shape: GQA")
+
+
+def test_cli_lists_every_file_it_wrote(tmp_path, capsys):
+    from onnx_light_ep.cli import main
+
+    assert main(["bench", "--quick", "--no-plot", "--out-dir", str(tmp_path)]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("wrote ") and str(tmp_path / "bench_decode.json") in last
+    assert str(tmp_path / "bench_decode.md") in last and "bench_decode.png" not in last
