@@ -12,11 +12,11 @@ from models import cache_attention_model
 from reference import FP32_ATOL, FP32_RTOL, ref_attn
 
 
-def _run(threads, q, k, v, past_k, past_v, model):
+def _run(threads, q, k, v, past_k, past_v, model, **cache_options):
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads
     sess = onnx_light_ep.InferenceSession(model.SerializeToString(), so)
-    cache = KVCache.from_past([past_k], [past_v], max_sequence_length=past_k.shape[2] + 4)
+    cache = KVCache.from_past([past_k], [past_v], max_sequence_length=past_k.shape[2] + 4, **cache_options)
     try:
         (y,) = sess.run(None, {"query_0": q, "key_0": k, "value_0": v, "kv_cache": cache.handle})
     finally:
@@ -39,3 +39,19 @@ def test_one_and_two_threads_bit_identical(isa):
     want = ref_attn(q, k, v, pk, pv)[0]
     np.testing.assert_allclose(y1, want, atol=FP32_ATOL, rtol=FP32_RTOL)
     assert _core.isa() == isa
+
+
+def test_int8_pages_one_and_two_threads_bit_identical(isa):
+    """The KV split crosses native and int8 runs (sinks, cold int8 pages, the recent window)."""
+    rng = np.random.default_rng(1)
+    B, HQ, HKV, D, P = 1, 8, 2, 64, 1500
+    model = cache_attention_model(q_num_heads=HQ, kv_num_heads=HKV, head_dim=D, is_causal=1)
+    q = rng.standard_normal((B, HQ, 1, D), dtype=np.float32)
+    k = rng.standard_normal((B, HKV, 1, D), dtype=np.float32)
+    v = rng.standard_normal((B, HKV, 1, D), dtype=np.float32)
+    pk = rng.standard_normal((B, HKV, P, D), dtype=np.float32)
+    pv = rng.standard_normal((B, HKV, P, D), dtype=np.float32)
+    opts = dict(kv_quant="int8", page_tokens=128, recent_tokens=200, sink_tokens=4)
+    y1 = _run(1, q, k, v, pk, pv, model, **opts)
+    y2 = _run(2, q, k, v, pk, pv, model, **opts)
+    assert np.array_equal(y1, y2), f"{isa}: 1 vs 2 threads differ on int8 pages"
