@@ -167,6 +167,9 @@ def run_e2e(contexts: Sequence[int] = (256, 4096), threads: Sequence[int] = (1,)
     converted = _converted_model(src_dir, work_dir, progress)
     cfg = json.load(open(os.path.join(src_dir, "genai_config.json")))["model"]
     vocab = int(cfg["vocab_size"])
+    from ..rewrite import read_metadata
+
+    positions = read_metadata(converted).get("max_position") or cfg.get("context_length")
     out: Dict = {"model": "SmolLM2-135M-Instruct (onnxruntime-genai builder, fp32, CPU)", "source_dir": src_dir,
                  "converted": converted, "batch_size": 1, "warmup": warmup, "reps": reps, "runs": []}
     rng = np.random.default_rng(seed)
@@ -183,9 +186,18 @@ def run_e2e(contexts: Sequence[int] = (256, 4096), threads: Sequence[int] = (1,)
             except Exception as e:  # e.g. onnxruntime_genai missing
                 out.setdefault("errors", {})[f"{cls.key}@{t}"] = f"{type(e).__name__}: {str(e)[:300]}"
         for ctx in contexts:
+            run = {"threads": t, "context_length": int(ctx), "runners": {}}
+            need = int(ctx) + warmup + reps + 1
+            if positions and need > int(positions):
+                # the measured steps must stay inside the model's rotary table: skipped, named
+                why = (f"skipped: context {ctx} + {warmup + reps + 1} steps exceeds the model's {positions} "
+                       f"positions (largest context: {int(positions) - warmup - reps - 1})")
+                run["runners"] = {r.key: {"status": why} for r in runners}
+                out["runs"].append(run)
+                progress(f"  e2e t={t} C={ctx}: {why}")
+                continue
             prompt = rng.integers(100, vocab - 100, size=(1, int(ctx)), dtype=np.int64)
             capacity = int(ctx) + warmup + reps + 8
-            run = {"threads": t, "context_length": int(ctx), "runners": {}}
             tokens: Dict[str, List[int]] = {}
             live = []
             rot = len(out["runs"]) % max(len(runners), 1)
@@ -198,12 +210,22 @@ def run_e2e(contexts: Sequence[int] = (256, 4096), threads: Sequence[int] = (1,)
                     continue
                 run["runners"][r.key] = {"status": "ok", "prefill_s": time.perf_counter() - t0,
                                          "samples_ms": [], "warmup_ms": []}
+                try:
+                    for i in range(warmup + reps):
+                        t0 = time.perf_counter_ns()
+                        tokens[r.key].append(r.step())
+                        ms = (time.perf_counter_ns() - t0) / 1e6
+                        run["runners"][r.key]["samples_ms" if i >= warmup else "warmup_ms"].append(ms)
+                except Exception as e:  # a failing point is reported; the rest of the run goes on
+                    run["runners"][r.key] = {"status": f"error at decode step {i}: {type(e).__name__}: "
+                                                       f"{str(e)[:300]}"}
+                    tokens.pop(r.key, None)
+                    try:
+                        r.stop()
+                    except Exception:  # noqa: BLE001 - already failed
+                        pass
+                    continue
                 live.append(r)
-                for i in range(warmup + reps):
-                    t0 = time.perf_counter_ns()
-                    tokens[r.key].append(r.step())
-                    ms = (time.perf_counter_ns() - t0) / 1e6
-                    run["runners"][r.key]["samples_ms" if i >= warmup else "warmup_ms"].append(ms)
             for r in live:
                 e = run["runners"][r.key]
                 med = statistics.median(e["samples_ms"])
@@ -231,7 +253,7 @@ def markdown_lines(e2e: Dict) -> List[str]:
         def cell(k):
             v = r.get(k) or {}
             if "tokens_per_s" not in v:
-                return v.get("status", "")[:40]
+                return v.get("status", "")[:120]
             return f"{v['tokens_per_s']:.1f} tok/s ({v['median_ms']:.1f} [{v['p25_ms']:.1f}–{v['p75_ms']:.1f}] ms)"
 
         def ratio(a, b):

@@ -120,3 +120,18 @@ def test_compare_missing_file_names_the_argument(tmp_path, which):
     args = (missing, None) if which == "original" else (existing, missing)
     with pytest.raises(FileNotFoundError, match=f"compare: {which}; expected an ONNX file"):
         compare(*args)
+
+
+def test_e2e_bench_skips_contexts_beyond_the_positions_and_keeps_the_rest(tmp_path):
+    """`bench --e2e --e2e-contexts 8192` crashed on the model's 8192-entry rotary table and lost the
+    run: a context without room for the measured steps is skipped with its reason, the others run."""
+    from onnx_light_ep.bench.e2e import run_e2e
+
+    res = run_e2e(contexts=(8192, 32), threads=(1,), warmup=1, reps=2, work_dir=str(tmp_path),
+                  progress=lambda line: None)
+    big, small = res["runs"]
+    assert big["context_length"] == 8192 and big["runners"]
+    for r in big["runners"].values():
+        assert r["status"].startswith("skipped: context 8192 + 4 steps exceeds the model's 8192 positions")
+        assert "largest context: 8188" in r["status"]
+    assert small["runners"]["ep_kvcache"]["status"] == "ok" and small["runners"]["ep_kvcache"]["tokens_per_s"] > 0
