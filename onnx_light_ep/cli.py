@@ -167,13 +167,20 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if res.texts is None or args.ids:
         for b, ids in enumerate(res.token_ids):
             print(f"[{b}] ids: {ids}")
-    print(f"{sum(map(len, res.token_ids))} tokens; prefill {res.prefill_seconds * 1e3:.1f} ms; decode "
-          f"{res.tokens_per_second:.1f} tokens/s on {res.providers[0]}", file=sys.stderr)
+    n = sum(map(len, res.token_ids))
+    rate = f"decode {res.tokens_per_second:.1f} tokens/s" if res.decode_steps else "no decode step"
+    print(f"{n} tokens; prefill {res.prefill_seconds * 1e3:.1f} ms; {rate} on {res.providers[0]}", file=sys.stderr)
+    if n == 0:
+        print("note: the first token was end-of-sequence; an instruct model usually needs --chat", file=sys.stderr)
     return 0
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     from .demo import DEFAULT_PROMPT, run_default
+
+    if getattr(args, "max_new_tokens", 64) < 1:
+        print(f"error: --max-new-tokens; expected >= 1, got {args.max_new_tokens}", file=sys.stderr)
+        return 2
 
     return run_default(getattr(args, "prompt", None) or DEFAULT_PROMPT,
                        max_new_tokens=getattr(args, "max_new_tokens", 64),

@@ -217,6 +217,14 @@ def compare(original, converted=None, *, prompt: Optional[str] = None,
         if path is not None and not os.path.isfile(os.fspath(path)):
             raise FileNotFoundError(f"compare: {what}; expected an ONNX file, got {os.fspath(path)!r} "
                                     f"({'a folder' if os.path.isdir(os.fspath(path)) else 'not found'})")
+    try:
+        read_metadata(original)
+        already = True
+    except ValueError:
+        already = False
+    if already:
+        raise ValueError(f"compare: original; {original!r} is already converted by onnx_light_ep.convert; pass "
+                         "the exported model first (and the converted one second, or nothing)")
     tmp = None
     if converted is None:
         tmp = tempfile.TemporaryDirectory(prefix="onnx_light_compare_")

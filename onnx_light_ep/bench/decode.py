@@ -510,7 +510,10 @@ def _parse_config(text: str) -> BenchConfig:
     parts = [p.strip() for p in text.split(",")]
     if len(parts) not in (5, 6):
         raise ValueError(f"--config: expected Hq,Hkv,B,L,dtype[,layers], got {text!r}")
-    hq, hkv, b, L = (int(p) for p in parts[:4])
+    try:
+        hq, hkv, b, L = (int(p) for p in parts[:4])
+    except ValueError:
+        raise ValueError(f"--config: expected integers Hq,Hkv,B,L then a dtype, got {text!r}") from None
     dtype = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}.get(parts[4], parts[4])
     return BenchConfig(hq, hkv, b, L, dtype, num_layers=int(parts[5]) if len(parts) == 6 else 0)
 
@@ -559,7 +562,11 @@ def main_from_args(args, command: Optional[str] = None, metadata: Optional[Dict]
 
     if command is None:
         command = shlex.join(["onnx-light"] + sys.argv[1:])
-    configs = [_parse_config(c) for c in args.config] if args.config else None
+    try:
+        configs = [_parse_config(c) for c in args.config] if args.config else None
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if args.arena or args.arena_only:
         from .arena import run_arena
 

@@ -216,7 +216,12 @@ def convert(input_path, output_path, *, keep_present: Sequence[str] = (), slidin
     tmp_dir = tempfile.mkdtemp(prefix=".onnx_light_convert_", dir=out_dir)
     try:
         tmp_dst = os.path.join(tmp_dir, os.path.basename(dst))
-        _save(res.model, tmp_dst, base_dir, original)
+        try:
+            _save(res.model, tmp_dst, base_dir, original)
+        except onnx.checker.ValidationError as e:  # onnx refuses external data through links
+            raise ConvertError(f"convert: input_path; onnx refuses to read the external data of {src!r}: "
+                               f"{str(e).splitlines()[0]} (onnx reads external data only from regular files "
+                               f"with one link: copy the model folder with `cp -L` first)") from None
         if check:
             notes += _check(src, tmp_dst)
         for name in (os.path.basename(dst) + ".data", os.path.basename(dst)):  # the model file last

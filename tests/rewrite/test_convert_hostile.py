@@ -75,3 +75,31 @@ def test_cli_names_non_onnx_files_and_folders(tmp_path, capsys):
     ]:
         assert main(argv) == 2, argv
         assert words in capsys.readouterr().err, argv
+
+
+def test_cli_usage_errors_exit_2_without_traceback(tmp_path, capsys):
+    from onnx_light_ep.cli import main
+
+    assert main(["demo", "--max-new-tokens", "0"]) == 2
+    assert "--max-new-tokens; expected >= 1" in capsys.readouterr().err
+    assert main(["bench", "--config", "1,2,3", "--out-dir", str(tmp_path)]) == 2
+    assert "--config: expected Hq,Hkv,B,L,dtype" in capsys.readouterr().err
+    dst = str(tmp_path / "c.onnx")
+    convert(GENAI, dst)
+    assert main(["compare", dst, "-q"]) == 2
+    assert "is already converted" in capsys.readouterr().err
+
+
+def test_external_data_through_a_symlink_is_a_clear_error(tmp_path):
+    m = onnx.load(GENAI)
+    src_dir = tmp_path / "real"
+    src_dir.mkdir()
+    onnx.save(m, src_dir / "model.onnx", save_as_external_data=True, location="model.onnx.data",
+              size_threshold=0)
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    os.symlink(src_dir / "model.onnx.data", linked / "model.onnx.data")
+    os.link(src_dir / "model.onnx", linked / "model.onnx")
+    with pytest.raises(ConvertError, match="cp -L"):
+        convert(linked / "model.onnx", tmp_path / "out" / "o.onnx")
+    assert not (tmp_path / "out" / "o.onnx").exists()
