@@ -39,4 +39,22 @@ void to_float(DType t, const void* src, float* dst, int64_t n) {
   }
 }
 
+void from_float(DType t, const float* src, void* dst, int64_t n) {
+  switch (t) {
+    case DType::kFloat32:
+      std::memcpy(dst, src, static_cast<size_t>(n) * 4);
+      return;
+    case DType::kFloat16: {
+      uint16_t* d = static_cast<uint16_t*>(dst);
+      for (int64_t i = 0; i < n; ++i) d[i] = float_to_half(src[i]);
+      return;
+    }
+    case DType::kBFloat16: {
+      uint16_t* d = static_cast<uint16_t*>(dst);
+      for (int64_t i = 0; i < n; ++i) d[i] = float_to_bf16(src[i]);
+      return;
+    }
+  }
+}
+
 }  // namespace olep

@@ -92,5 +92,7 @@ inline uint16_t float_to_bf16(float f) {
 
 /// Converts `n` elements of type `t` at `src` to float32 at `dst`.
 void to_float(DType t, const void* src, float* dst, int64_t n);
+/// Converts `n` float32 values at `src` to type `t` at `dst` (round to nearest even).
+void from_float(DType t, const float* src, void* dst, int64_t n);
 
 }  // namespace olep

@@ -1,5 +1,6 @@
 #include "kvcache/quantize.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -9,23 +10,6 @@
 namespace olep {
 namespace quant {
 namespace {
-
-float load(DType t, const char* p, int64_t i) {
-  switch (t) {
-    case DType::kFloat32: return reinterpret_cast<const float*>(p)[i];
-    case DType::kFloat16: return half_to_float(reinterpret_cast<const uint16_t*>(p)[i]);
-    case DType::kBFloat16: return bf16_to_float(reinterpret_cast<const uint16_t*>(p)[i]);
-  }
-  return 0.0f;
-}
-
-void store(DType t, void* p, int64_t i, float v) {
-  switch (t) {
-    case DType::kFloat32: static_cast<float*>(p)[i] = v; return;
-    case DType::kFloat16: static_cast<uint16_t*>(p)[i] = float_to_half(v); return;
-    case DType::kBFloat16: static_cast<uint16_t*>(p)[i] = float_to_bf16(v); return;
-  }
-}
 
 int8_t code(float x, float scale) {
   if (scale == 0.0f) return 0;
@@ -42,16 +26,13 @@ bool quantize_page_int8(const CacheGeometry& g, const char* src, char* dst) {
   const char* ksrc = src;
   const char* vsrc = src + g.value_offset();
   std::vector<float> k(static_cast<size_t>(P * D)), v(static_cast<size_t>(P * Dv));
+  to_float(t, ksrc, k.data(), P * D);
+  to_float(t, vsrc, v.data(), P * Dv);
   // Values of magnitude >= 2^126 stay native too: 127 * (max / 127) may round up to inf there.
   constexpr float kMax = 8.507059e37f;  // 2^126
-  for (int64_t i = 0; i < P * D; ++i) {
-    k[static_cast<size_t>(i)] = load(t, ksrc, i);
-    if (!(std::fabs(k[static_cast<size_t>(i)]) < kMax)) return false;
-  }
-  for (int64_t i = 0; i < P * Dv; ++i) {
-    v[static_cast<size_t>(i)] = load(t, vsrc, i);
-    if (!(std::fabs(v[static_cast<size_t>(i)]) < kMax)) return false;
-  }
+  for (const std::vector<float>* x : {&k, &v})
+    for (float f : *x)
+      if (!(std::fabs(f) < kMax)) return false;
   int8_t* kq = reinterpret_cast<int8_t*>(dst);
   int8_t* vq = reinterpret_cast<int8_t*>(dst + g.quant_value_offset());
   float* ks = reinterpret_cast<float*>(dst + g.quant_scale_offset());
@@ -78,10 +59,13 @@ void dequantize_block(const CacheGeometry& g, const KVBlock& kb, void* k_out, vo
   const int64_t D = g.head_dim, Dv = g.v_head_dim;
   const int8_t* kq = static_cast<const int8_t*>(kb.key);
   const int8_t* vq = static_cast<const int8_t*>(kb.value);
+  const size_t es = g.elem_bytes();
+  std::vector<float> row(static_cast<size_t>(std::max(D, Dv)));
   for (int64_t r = 0; r < kb.num_rows; ++r) {
-    for (int64_t d = 0; d < D; ++d) store(g.dtype, k_out, r * D + d, static_cast<float>(kq[r * D + d]) * kb.key_scale[d]);
-    for (int64_t d = 0; d < Dv; ++d)
-      store(g.dtype, v_out, r * Dv + d, static_cast<float>(vq[r * Dv + d]) * kb.value_scale[r]);
+    for (int64_t d = 0; d < D; ++d) row[static_cast<size_t>(d)] = static_cast<float>(kq[r * D + d]) * kb.key_scale[d];
+    from_float(g.dtype, row.data(), static_cast<char*>(k_out) + static_cast<size_t>(r * D) * es, D);
+    for (int64_t d = 0; d < Dv; ++d) row[static_cast<size_t>(d)] = static_cast<float>(vq[r * Dv + d]) * kb.value_scale[r];
+    from_float(g.dtype, row.data(), static_cast<char*>(v_out) + static_cast<size_t>(r * Dv) * es, Dv);
   }
 }
 
