@@ -8,6 +8,8 @@
     ``past_key_{l}/past_value_{l}`` inputs and ``present_key_{l}/present_value_{l}`` outputs,
     for the plain-ORT side of the differential tests.
 """
+import dataclasses
+
 import numpy as np
 import onnx
 from onnx import TensorProto, helper
@@ -170,3 +172,13 @@ def onnx_attention_model(*, layer_count=1, q_num_heads, kv_num_heads, head_dim, 
 
 def model_bytes(model):
     return model if isinstance(model, (bytes, bytearray)) else model.SerializeToString()
+
+
+@dataclasses.dataclass(frozen=True)
+class AttnCfg:
+    """One attention shape of a differential test: q_num_heads, kv_num_heads, head_dim, dtype."""
+    id: str
+    hq: int
+    hkv: int
+    d: int
+    dtype: str

@@ -11,43 +11,29 @@
   beam's gathered past, and bit-identical to one-block storage;
 for float32, float16 and bfloat16 (bfloat16 has no ONNX Attention kernel in ORT: oracle only).
 """
-import dataclasses
 import zlib
 
 import numpy as np
 import pytest
 
 import ort_utils
-from models import cache_attention_model, onnx_attention_model
+from models import AttnCfg, cache_attention_model, onnx_attention_model
 from reference import assert_close, np_dtype, ref_attn
 
 CAP = 320
 ONE_BLOCK = 320  # page_tokens holding a whole sequence: one block per (layer, sequence, head)
 
 
-@dataclasses.dataclass(frozen=True)
-class Cfg:
-    id: str
-    hq: int
-    hkv: int
-    d: int
-    dtype: str
-
-
 CFGS = [
-    Cfg("mha_f32", 4, 4, 16, "float32"),
-    Cfg("gqa_f16", 8, 2, 32, "float16"),
-    Cfg("mqa_bf16", 8, 1, 32, "bfloat16"),
-    Cfg("gqa_bf16_wide", 16, 2, 64, "bfloat16"),
+    AttnCfg("mha_f32", 4, 4, 16, "float32"),
+    AttnCfg("gqa_f16", 8, 2, 32, "float16"),
+    AttnCfg("mqa_bf16", 8, 1, 32, "bfloat16"),
+    AttnCfg("gqa_bf16_wide", 16, 2, 64, "bfloat16"),
 ]
 
 
 def bits(a):
     return np.ascontiguousarray(a).view(f"u{a.dtype.itemsize}")
-
-
-def session(olep, model, tmp_path):
-    return ort_utils.make_ep_session(olep, model, ort_utils.new_session_options(tmp_path))
 
 
 def attend(q, k, v, hk, hv, n, window=None):
@@ -60,12 +46,13 @@ def attend(q, k, v, hk, hv, n, window=None):
 
 @pytest.mark.parametrize("page_tokens", [32, 64, 128])
 @pytest.mark.parametrize("cfg", CFGS, ids=lambda c: c.id)
-def test_long_ragged_history(cfg, page_tokens, olep, tmp_path):
+def test_long_ragged_history(cfg, page_tokens, olep):
     dt = np_dtype(cfg.dtype)
     B, L, Hq, Hkv, D = 3, 2, cfg.hq, cfg.hkv, cfg.d
     rng = np.random.default_rng(zlib.crc32(cfg.id.encode()) + page_tokens)
-    sess = session(olep, cache_attention_model(layer_count=L, q_num_heads=Hq, kv_num_heads=Hkv, head_dim=D,
-                                               dtype=cfg.dtype, with_seqlens_k=True, is_causal=1), tmp_path)
+    sess = ort_utils.make_ep_session(olep, cache_attention_model(
+        layer_count=L, q_num_heads=Hq, kv_num_heads=Hkv, head_dim=D,
+        dtype=cfg.dtype, with_seqlens_k=True, is_causal=1))
     steps = [(70, [70, 45, 33])] + [(1, [1, 1, 1])] * 20 + [(1, [1, 0, 1]), (45, [45, 10, 32])] + \
         [(1, [1, 1, 1])] * 12 + [(33, [0, 33, 7])]
     paged = olep.KVCache(L, B, Hkv, D, dtype=cfg.dtype, max_sequence_length=CAP, page_tokens=page_tokens)
@@ -106,12 +93,13 @@ def test_long_ragged_history(cfg, page_tokens, olep, tmp_path):
 
 
 @pytest.mark.parametrize("cfg", CFGS[:3], ids=lambda c: c.id)
-def test_sliding_window_past_several_evictions(cfg, olep, tmp_path):
+def test_sliding_window_past_several_evictions(cfg, olep):
     dt = np_dtype(cfg.dtype)
     B, L, Hq, Hkv, D, W, R, Pt = 2, 2, cfg.hq, cfg.hkv, cfg.d, 48, 8, 32
     rng = np.random.default_rng(zlib.crc32(cfg.id.encode()) + 7)
-    sess = session(olep, cache_attention_model(layer_count=L, q_num_heads=Hq, kv_num_heads=Hkv, head_dim=D,
-                                               dtype=cfg.dtype, is_causal=1, local_window_size=W), tmp_path)
+    sess = ort_utils.make_ep_session(olep, cache_attention_model(
+        layer_count=L, q_num_heads=Hq, kv_num_heads=Hkv, head_dim=D,
+        dtype=cfg.dtype, is_causal=1, local_window_size=W))
     evicting = olep.KVCache(L, B, Hkv, D, dtype=cfg.dtype, max_sequence_length=CAP, page_tokens=Pt,
                             sliding_window=W, rollback_tokens=R)
     keeping = olep.KVCache(L, B, Hkv, D, dtype=cfg.dtype, max_sequence_length=CAP, page_tokens=Pt)
@@ -145,7 +133,7 @@ def test_sliding_window_past_several_evictions(cfg, olep, tmp_path):
 
 
 @pytest.mark.parametrize("cfg", CFGS[:3], ids=lambda c: c.id)
-def test_beam_history_fork_and_reorder(cfg, olep, tmp_path):
+def test_beam_history_fork_and_reorder(cfg, olep):
     """Prefill one prompt, fork it into 3 beams, then decode with reorders whose indices repeat;
     each beam's output vs the oracle on its reconstructed history and vs ORT fed that history."""
     dt = np_dtype(cfg.dtype)
@@ -153,7 +141,7 @@ def test_beam_history_fork_and_reorder(cfg, olep, tmp_path):
     rng = np.random.default_rng(zlib.crc32(cfg.id.encode()) + 11)
     m1 = cache_attention_model(layer_count=L, q_num_heads=Hq, kv_num_heads=Hkv, head_dim=D, dtype=cfg.dtype,
                                is_causal=1)
-    sess = session(olep, m1, tmp_path)
+    sess = ort_utils.make_ep_session(olep, m1)
     use_ort = cfg.dtype != "bfloat16"
     ort_sess = ort_utils.make_ort_session(onnx_attention_model(
         layer_count=L, q_num_heads=Hq, kv_num_heads=Hkv, head_dim=D, dtype=cfg.dtype, is_causal=1)) if use_ort else None

@@ -11,32 +11,22 @@ pages"):
 - prefill chunks cross page ends; sequences of a batch age pages at different steps; a page
   that holds a non-finite value stays native (an int8 code cannot hold it).
 """
-import dataclasses
 import zlib
 
 import numpy as np
 import pytest
 
 import ort_utils
-from models import cache_attention_model
+from models import AttnCfg, cache_attention_model
 from reference import assert_close, np_dtype, quantize_page_int8, ref_attn
 
 CAP = 512
 
 
-@dataclasses.dataclass(frozen=True)
-class Cfg:
-    id: str
-    hq: int
-    hkv: int
-    d: int
-    dtype: str
-
-
 CFGS = [
-    Cfg("mha_f32", 4, 4, 32, "float32"),
-    Cfg("gqa_f16", 8, 2, 32, "float16"),
-    Cfg("mqa_bf16", 16, 1, 32, "bfloat16"),
+    AttnCfg("mha_f32", 4, 4, 32, "float32"),
+    AttnCfg("gqa_f16", 8, 2, 32, "float16"),
+    AttnCfg("mqa_bf16", 16, 1, 32, "bfloat16"),
 ]
 
 
@@ -70,17 +60,14 @@ class Model:
                     self.k[h, sl], self.v[h, sl] = quantize_page(kp[h], vp[h])
 
 
-def session(olep, model, tmp_path):
-    return ort_utils.make_ep_session(olep, model, ort_utils.new_session_options(tmp_path))
-
-
 @pytest.mark.parametrize("cfg", CFGS, ids=lambda c: c.id)
-def test_int8_pages_match_the_model(cfg, olep, tmp_path):
+def test_int8_pages_match_the_model(cfg, olep):
     dt = np_dtype(cfg.dtype)
     B, L, Hq, Hkv, D, P, R, S = 2, 2, cfg.hq, cfg.hkv, cfg.d, 32, 40, 4
     rng = np.random.default_rng(zlib.crc32(cfg.id.encode()))
-    sess = session(olep, cache_attention_model(layer_count=L, q_num_heads=Hq, kv_num_heads=Hkv, head_dim=D,
-                                               dtype=cfg.dtype, with_seqlens_k=True, is_causal=1), tmp_path)
+    sess = ort_utils.make_ep_session(olep, cache_attention_model(
+        layer_count=L, q_num_heads=Hq, kv_num_heads=Hkv, head_dim=D,
+        dtype=cfg.dtype, with_seqlens_k=True, is_causal=1))
     cache = olep.KVCache(L, B, Hkv, D, dtype=cfg.dtype, max_sequence_length=CAP, page_tokens=P,
                          kv_quant="int8", recent_tokens=R, sink_tokens=S)
     assert (cache.kv_quant, cache.recent_tokens, cache.sink_tokens) == ("int8", R, S)
@@ -161,7 +148,7 @@ def test_non_finite_page_stays_native(olep):
 
 
 @pytest.mark.parametrize("outlier, mean_tol, max_tol", [(1.0, 1e-3, 5e-3), (50.0, 2e-2, 0.35)])
-def test_outlier_channels_int8_error(outlier, mean_tol, max_tol, olep, tmp_path):
+def test_outlier_channels_int8_error(outlier, mean_tol, max_tol, olep):
     """INT8 attention output against the float32 reference of the unquantized cache, stated per
     case: unit-variance K and V, 1024 cached positions in 4 int8 pages of 256 per head (sinks 0,
     recent 0), 8 query rows; with 3 of 64 K channels 50x larger (as real K caches have) the
@@ -172,8 +159,9 @@ def test_outlier_channels_int8_error(outlier, mean_tol, max_tol, olep, tmp_path)
     k = rng.standard_normal((B, Hkv, T, D)).astype(np.float32)
     v = rng.standard_normal((B, Hkv, T, D)).astype(np.float32)
     k[:, :, :, [3, 17, 40]] *= outlier
-    sess = session(olep, cache_attention_model(layer_count=1, q_num_heads=Hq, kv_num_heads=Hkv, head_dim=D,
-                                               dtype="float32", is_causal=1), tmp_path)
+    sess = ort_utils.make_ep_session(olep, cache_attention_model(
+        layer_count=1, q_num_heads=Hq, kv_num_heads=Hkv, head_dim=D,
+        dtype="float32", is_causal=1))
     cache = olep.KVCache.from_past([k], [v], page_tokens=256, kv_quant="int8", recent_tokens=0, sink_tokens=0,
                                    max_sequence_length=T + S)
     try:
@@ -190,7 +178,7 @@ def test_outlier_channels_int8_error(outlier, mean_tol, max_tol, olep, tmp_path)
         cache.close()
 
 
-def test_huge_k_scale_times_q_does_not_become_nan(olep, tmp_path):
+def test_huge_k_scale_times_q_does_not_become_nan(olep):
     """q times a K scale beyond float32 (q 1e5, one K value 5e37 < 2^126, so the page is int8):
     folding the scales into q would give inf * code 0 = NaN; the output must match the model (the
     dequantized values attended as the native path attends them)."""
@@ -204,8 +192,9 @@ def test_huge_k_scale_times_q_does_not_become_nan(olep, tmp_path):
     q[..., 0] = 1e5
     kn = rng.standard_normal((1, 1, 1, D)).astype(np.float32)
     vn = rng.standard_normal((1, 1, 1, D)).astype(np.float32)
-    sess = session(olep, cache_attention_model(layer_count=1, q_num_heads=1, kv_num_heads=1, head_dim=D,
-                                               dtype="float32", is_causal=1), tmp_path)
+    sess = ort_utils.make_ep_session(olep, cache_attention_model(
+        layer_count=1, q_num_heads=1, kv_num_heads=1, head_dim=D,
+        dtype="float32", is_causal=1))
     cache = olep.KVCache.from_past([k], [v], page_tokens=P, kv_quant="int8", recent_tokens=0, sink_tokens=0,
                                    max_sequence_length=T + 1)
     try:

@@ -24,8 +24,9 @@ def _run(threads, q, k, v, past_k, past_v, model, **cache_options):
     return y
 
 
-def test_one_and_two_threads_bit_identical(isa):
-    rng = np.random.default_rng(0)
+def _case(seed):
+    """A decode step with 1500 cached positions, B * Hkv = 2 work items: the KV range splits."""
+    rng = np.random.default_rng(seed)
     B, HQ, HKV, D, P = 1, 8, 2, 64, 1500
     model = cache_attention_model(q_num_heads=HQ, kv_num_heads=HKV, head_dim=D, is_causal=1)
     q = rng.standard_normal((B, HQ, 1, D), dtype=np.float32)
@@ -33,6 +34,11 @@ def test_one_and_two_threads_bit_identical(isa):
     v = rng.standard_normal((B, HKV, 1, D), dtype=np.float32)
     pk = rng.standard_normal((B, HKV, P, D), dtype=np.float32)
     pv = rng.standard_normal((B, HKV, P, D), dtype=np.float32)
+    return q, k, v, pk, pv, model
+
+
+def test_one_and_two_threads_bit_identical(isa):
+    q, k, v, pk, pv, model = _case(0)
     y1 = _run(1, q, k, v, pk, pv, model)
     y2 = _run(2, q, k, v, pk, pv, model)
     assert np.array_equal(y1, y2), f"{isa}: 1 vs 2 threads differ"
@@ -43,14 +49,7 @@ def test_one_and_two_threads_bit_identical(isa):
 
 def test_int8_pages_one_and_two_threads_bit_identical(isa):
     """The KV split crosses native and int8 runs (sinks, cold int8 pages, the recent window)."""
-    rng = np.random.default_rng(1)
-    B, HQ, HKV, D, P = 1, 8, 2, 64, 1500
-    model = cache_attention_model(q_num_heads=HQ, kv_num_heads=HKV, head_dim=D, is_causal=1)
-    q = rng.standard_normal((B, HQ, 1, D), dtype=np.float32)
-    k = rng.standard_normal((B, HKV, 1, D), dtype=np.float32)
-    v = rng.standard_normal((B, HKV, 1, D), dtype=np.float32)
-    pk = rng.standard_normal((B, HKV, P, D), dtype=np.float32)
-    pv = rng.standard_normal((B, HKV, P, D), dtype=np.float32)
+    q, k, v, pk, pv, model = _case(1)
     opts = dict(kv_quant="int8", page_tokens=128, recent_tokens=200, sink_tokens=4)
     y1 = _run(1, q, k, v, pk, pv, model, **opts)
     y2 = _run(2, q, k, v, pk, pv, model, **opts)
