@@ -86,26 +86,10 @@ int main(int argc, char** argv) {
     }
   }
 
-  std::vector<float> q(static_cast<size_t>(G * D), 0.1f), out(static_cast<size_t>(heads * G * D));
-  std::vector<uint16_t> q16(q.size(), float_to_half(0.1f)), out16(out.size());
-  AttentionGroup a;
-  a.dtype = dtype;
-  a.q = dtype == DType::kFloat32 ? static_cast<const void*>(q.data()) : static_cast<const void*>(q16.data());
-  a.q_head_stride = a.out_head_stride = D;
-  a.q_row_stride = a.out_row_stride = G * D;
-  a.group_size = G;
-  a.num_rows = a.num_valid_rows = 1;
-  a.q_offset = T - 1;
-  a.num_keys = T;
-  a.head_dim = a.v_head_dim = D;
-  a.scale = 0.088f;
-  a.is_causal = true;
+  bench::DecodeStep dstep(args);
+  const AttentionGroup& a = dstep.group;
   std::vector<AttentionGroup> ga(static_cast<size_t>(heads), a);
-  for (int64_t h = 0; h < heads; ++h) {
-    const size_t off = static_cast<size_t>(h * G * D);
-    ga[static_cast<size_t>(h)].out = dtype == DType::kFloat32 ? static_cast<void*>(out.data() + off)
-                                                              : static_cast<void*>(out16.data() + off);
-  }
+  for (int64_t h = 0; h < heads; ++h) ga[static_cast<size_t>(h)].out = dstep.out_of(h, args);
   std::vector<AttentionState> st(static_cast<size_t>(heads));
   const int64_t sf = state_floats(a);
   std::vector<float> states(static_cast<size_t>(sf * heads)), scratch(static_cast<size_t>(scratch_floats(a)) + 64);

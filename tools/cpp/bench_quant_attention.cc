@@ -116,28 +116,14 @@ int main(int argc, char** argv) {
       ql[static_cast<size_t>(u)].push_back(qb);
     }
 
-  std::vector<float> q(static_cast<size_t>(G * D), 0.1f), out(static_cast<size_t>(heads * G * D));
-  std::vector<uint16_t> q16(q.size(), dtype == DType::kFloat16 ? float_to_half(0.1f) : float_to_bf16(0.1f)),
-      out16(out.size());
-  AttentionGroup a;
-  a.dtype = dtype;
-  a.q = dtype == DType::kFloat32 ? static_cast<const void*>(q.data()) : static_cast<const void*>(q16.data());
-  a.q_head_stride = a.out_head_stride = D;
-  a.q_row_stride = a.out_row_stride = G * D;
-  a.group_size = G;
-  a.num_rows = a.num_valid_rows = 1;
-  a.q_offset = T - 1;
-  a.num_keys = T;
-  a.head_dim = a.v_head_dim = D;
-  a.scale = 0.088f;
-  a.is_causal = true;
+  bench::DecodeStep dstep(args);
+  const AttentionGroup& a = dstep.group;
   const int64_t sf = state_floats(a);
   std::vector<float> state(static_cast<size_t>(sf)), scratch(static_cast<size_t>(scratch_floats(a)) + 64);
   auto step = [&](const std::vector<std::vector<KVBlock>>& lists, int64_t l) {
     for (int64_t h = 0; h < heads; ++h) {
       AttentionGroup g = a;
-      const size_t off = static_cast<size_t>(h * G * D);
-      g.out = dtype == DType::kFloat32 ? static_cast<void*>(out.data() + off) : static_cast<void*>(out16.data() + off);
+      g.out = dstep.out_of(h, args);
       const auto& bl = lists[static_cast<size_t>(l * heads + h)];
       g.blocks = bl.data();
       g.num_blocks = static_cast<int64_t>(bl.size());

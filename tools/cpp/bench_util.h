@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "common/dtype.h"
+#include "kernels/attention.h"
 
 namespace bench {
 
@@ -58,5 +59,37 @@ inline DecodeArgs decode_args(int argc, char** argv, int64_t T, int64_t P, int r
   a.dtype = a.dt == "f32" ? olep::DType::kFloat32 : a.dt == "bf16" ? olep::DType::kBFloat16 : olep::DType::kFloat16;
   return a;
 }
+
+/// One decode step's query (0.1 everywhere, in the storage type) and output buffers for `heads`
+/// kv heads of `G` query heads each, and the AttentionGroup every head shares (blocks and out
+/// are set per head): one query row at position T - 1 over keys [0, T), causal.
+struct DecodeStep {
+  std::vector<float> q, out;
+  std::vector<uint16_t> q16, out16;
+  olep::kernels::AttentionGroup group;
+
+  DecodeStep(const DecodeArgs& a) : q(static_cast<size_t>(a.G * a.D), 0.1f), out(static_cast<size_t>(a.heads * a.G * a.D)) {
+    const bool f16 = a.dtype == olep::DType::kFloat16;
+    q16.assign(q.size(), f16 ? olep::float_to_half(0.1f) : olep::float_to_bf16(0.1f));
+    out16.resize(out.size());
+    olep::kernels::AttentionGroup& g = group;
+    g.dtype = a.dtype;
+    g.q = a.dtype == olep::DType::kFloat32 ? static_cast<const void*>(q.data()) : static_cast<const void*>(q16.data());
+    g.q_head_stride = g.out_head_stride = a.D;
+    g.q_row_stride = g.out_row_stride = a.G * a.D;
+    g.group_size = a.G;
+    g.num_rows = g.num_valid_rows = 1;
+    g.q_offset = a.T - 1;
+    g.num_keys = a.T;
+    g.head_dim = g.v_head_dim = a.D;
+    g.scale = 0.088f;
+    g.is_causal = true;
+  }
+  /// Where head h writes its output.
+  void* out_of(int64_t h, const DecodeArgs& a) {
+    const size_t off = static_cast<size_t>(h * a.G * a.D);
+    return a.dtype == olep::DType::kFloat32 ? static_cast<void*>(out.data() + off) : static_cast<void*>(out16.data() + off);
+  }
+};
 
 }  // namespace bench
