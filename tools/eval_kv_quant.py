@@ -1,4 +1,4 @@
-"""Quality of quantized KV pages on a real model and real text (issue 10).
+"""Quality of quantized KV pages on a real model and real text.
 
     python tools/eval_kv_quant.py [--model PATH] [--tokens 4096] [--modes int8] [--out-dir bench_out]
                                   [--benchmarks-md BENCHMARKS.md]

@@ -18,7 +18,8 @@
 #   ONNX_LIGHT_ORT_DEB_MIRROR   archive URL (default: the first Debian archive URI the
 #                               machine's own apt sources use -- /etc/apt/sources.list,
 #                               sources.list.d/*.list and *.sources, a URI ending in /debian --
-#                               with the suite replaced; else http://deb.debian.org/debian)
+#                               with the suite replaced; a machine whose apt names no Debian
+#                               archive must set this, or ONNXRUNTIME_INCLUDE_DIR)
 #   ONNX_LIGHT_APT_ETC          apt configuration folder to read the sources from (default /etc/apt)
 #   ONNX_LIGHT_ORT_API_VERSION  expected ORT_API_VERSION (default: 23); a
 #                               different value only prints a warning.
@@ -55,18 +56,19 @@ apt_debian_uri() {
   done
   return 1
 }
-MIRROR="${ONNX_LIGHT_ORT_DEB_MIRROR:-}"
-if [[ -z "$MIRROR" ]]; then
-  MIRROR="$(apt_debian_uri || true)"
-  MIRROR="${MIRROR:-http://deb.debian.org/debian}"
-fi
-readonly MIRROR
 readonly KEYRING=/usr/share/keyrings/debian-archive-keyring.gpg
 readonly EXPECTED_API="${ONNX_LIGHT_ORT_API_VERSION:-23}"
 readonly HEADERS=(onnxruntime_c_api.h onnxruntime_ep_c_api.h onnxruntime_cxx_api.h)
 
 log() { printf '%s: %s\n' "$PROG" "$*" >&2; }
 die() { printf '%s: error: %s\n' "$PROG" "$*" >&2; exit 1; }
+
+MIRROR="${ONNX_LIGHT_ORT_DEB_MIRROR:-}"
+if [[ -z "$MIRROR" ]]; then
+  MIRROR="$(apt_debian_uri || true)"
+  [[ -n "$MIRROR" ]] || die "no Debian archive (a URI ending in /debian) among the apt sources in $APT_ETC; set ONNX_LIGHT_ORT_DEB_MIRROR to a Debian archive URL, or ONNXRUNTIME_INCLUDE_DIR to a folder with ${HEADERS[*]}"
+fi
+readonly MIRROR
 
 if [[ $# -eq 1 && "$1" == --print-mirror ]]; then  # the archive a fetch would use, then exit
   printf '%s\n' "$MIRROR"

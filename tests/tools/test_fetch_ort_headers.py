@@ -1,6 +1,6 @@
 """tools/fetch_ort_headers.sh takes the Debian archive from the machine's apt sources (one-line and
-deb822 formats; the security archive is not it), keeps the environment override, and falls back
-to Debian's default host when apt names no Debian archive."""
+deb822 formats; the security archive is not it), keeps the environment override, and says to set
+it when apt names no Debian archive."""
 import os
 import subprocess
 
@@ -31,7 +31,10 @@ def test_deb822_sources_skip_security(tmp_path):
     assert mirror(tmp_path) == "http://proxy.example:3142/debian"
 
 
-def test_fallback_and_override(tmp_path):
+def test_no_debian_archive_is_an_error_naming_the_override(tmp_path):
     (tmp_path / "sources.list").write_text("deb http://archive.ubuntu.com/ubuntu noble main\n")
-    assert mirror(tmp_path) == "http://deb.debian.org/debian"
+    e = {k: v for k, v in os.environ.items() if k != "ONNX_LIGHT_ORT_DEB_MIRROR"}
+    e["ONNX_LIGHT_APT_ETC"] = str(tmp_path)
+    r = subprocess.run(["bash", SCRIPT, "--print-mirror"], capture_output=True, text=True, env=e)
+    assert r.returncode != 0 and "set ONNX_LIGHT_ORT_DEB_MIRROR" in r.stderr and "ONNXRUNTIME_INCLUDE_DIR" in r.stderr
     assert mirror(tmp_path, ONNX_LIGHT_ORT_DEB_MIRROR="http://own.example/debian") == "http://own.example/debian"
