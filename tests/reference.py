@@ -42,8 +42,10 @@ def tol(dtype):
     return (FP32_ATOL, FP32_RTOL) if np_dtype(dtype) == np.float32 else (LOWP_ATOL, LOWP_RTOL)
 
 
-def assert_close(actual, expected, dtype, msg=""):
+def assert_close(actual, expected, dtype, msg="", extra_atol=0.0):
+    """At the dtype's tolerance; extra_atol adds a stated per-mode term (int8 pages: int8_pv_atol)."""
     atol, rtol = tol(dtype)
+    atol += extra_atol
     a = np.asarray(actual).astype(np.float64)
     e = np.asarray(expected).astype(np.float64)
     assert a.shape == e.shape, f"{msg}: shape {a.shape} != {e.shape}"
@@ -51,9 +53,43 @@ def assert_close(actual, expected, dtype, msg=""):
     np.testing.assert_allclose(a, e, atol=atol, rtol=rtol, err_msg=msg)
 
 
+def int8_query(qs, ks):
+    """The kernels' 16-bit fixed-point query against one int8 page (docs/API.md, "Quantized
+    pages"; kernels/attention_internal.h int8_query), in the same float32 steps: qs [..., D]
+    float32 (q times the scale; q alone with softcap), ks [D] the page's K scales. Returns
+    (q16 [..., D] int64, sq [...] float32): q . (code * ks) is computed as sq * sum(q16 * code)."""
+    f32 = np.float32
+    qs = np.asarray(qs, f32)
+    D = qs.shape[-1]
+    x = (qs * np.asarray(ks, f32)).astype(f32)
+    m = np.abs(x).max(axis=-1).astype(f32)
+    qmax = f32(min(32767, 2147483647 // (127 * D)))
+    pre = np.where(m < f32(2.0 ** -100), f32(2.0 ** 100), f32(1)).astype(f32)
+    m = (m * pre).astype(f32)
+    with np.errstate(divide="ignore"):
+        inv = np.where(m > 0, qmax / np.where(m > 0, m, f32(1)), f32(0)).astype(f32)
+    fac = (pre * inv).astype(f32)
+    q16 = np.rint((x * fac[..., None]).astype(f32)).astype(np.int64)
+    sq = ((m / qmax).astype(f32) / pre).astype(f32)
+    return q16, sq
+
+
+def int8_pv_atol(isa, v):
+    """The SIMD levels' extra error on int8 pages (docs/API.md, "Quantized pages"): their P.V
+    weights are 16-bit fixed point per tile, each within 2^-16 of the tile's largest, so
+    |error| <= 2^-16 max |V| beyond the float32 kernels'. The scalar level computes P.V in
+    float32 (0)."""
+    return 0.0 if isa == "scalar" else float(np.abs(np.asarray(v, np.float64)).max(initial=0.0)) / 65536.0
+
+
 def ref_attn(q, k_new, v_new, past_k=None, past_v=None, *, scale=None, causal=True,
-             q_offset=None, window=None, softcap=0.0, add_mask=None, key_valid=None):
+             q_offset=None, window=None, softcap=0.0, add_mask=None, key_valid=None, int8_pages=()):
+    """fp64 attention (the rules above). int8_pages: (b, kv_head, start, codes [P, D] int8,
+    ks [D] float32) per int8 page among the keys: those keys score as the kernels compute them
+    (int8_query: q in 16-bit fixed point, exact integer sums), the rest as q . k; K/V hold the
+    dequantized values."""
     f = np.float64
+    q32 = q.astype(np.float32)
     q, k_new, v_new = q.astype(f), k_new.astype(f), v_new.astype(f)
     K = k_new if past_k is None else np.concatenate([past_k.astype(f), k_new], 2)
     V = v_new if past_v is None else np.concatenate([past_v.astype(f), v_new], 2)
@@ -61,6 +97,15 @@ def ref_attn(q, k_new, v_new, past_k=None, past_v=None, *, scale=None, causal=Tr
     T, g = K.shape[2], Hq // K.shape[1]
     K, V = np.repeat(K, g, axis=1), np.repeat(V, g, axis=1)      # rule 1
     s = (q @ K.transpose(0, 1, 3, 2)) * (1.0 / np.sqrt(D) if scale is None else scale)
+    if int8_pages:
+        sc32 = np.float32(1) / np.sqrt(np.float32(D)) if scale is None else np.float32(scale)
+        qs = q32 if softcap and softcap > 0 else (q32 * sc32).astype(np.float32)
+        for b, h, start, codes, ks in int8_pages:
+            q16, sq = int8_query(qs[b, h * g:(h + 1) * g], ks)             # [g, S, D], [g, S]
+            fixed = (q16.astype(f) @ np.asarray(codes, f).T) * sq[..., None].astype(f)
+            if softcap and softcap > 0:
+                fixed = fixed * float(sc32)
+            s[b, h * g:(h + 1) * g, :, start:start + len(codes)] = fixed
     if softcap and softcap > 0:
         s = softcap * np.tanh(s / softcap)                          # rule 5
     off = (T - S) if q_offset is None else q_offset
@@ -126,10 +171,11 @@ def ref_rows(q, k, v, past_k, past_v, n_new, past_len, **kw):
     return out
 
 
-def quantize_page_int8(k, v):
+def quantize_page_int8(k, v, codes=False):
     """The KVCache int8 codec on one page (docs/API.md, "Quantized pages"): k [P, D], v [P, Dv]
     (values of the cache dtype). K per channel, V per token, symmetric, round half to even, in
-    float32 as the cache computes them. Returns the dequantized float32 (k, v)."""
+    float32 as the cache computes them. Returns the dequantized float32 (k, v), and with
+    ``codes`` also the K codes [P, D] int8 and K scales [D] float32."""
     k = np.asarray(k).astype(np.float32)
     v = np.asarray(v).astype(np.float32)
     ks = (np.abs(k).max(axis=0) / np.float32(127)).astype(np.float32)
@@ -137,4 +183,5 @@ def quantize_page_int8(k, v):
     with np.errstate(divide="ignore", invalid="ignore"):
         kq = np.where(ks > 0, np.clip(np.rint(k / ks), -127, 127), 0).astype(np.int8)
         vq = np.where(vs[:, None] > 0, np.clip(np.rint(v / vs[:, None]), -127, 127), 0).astype(np.int8)
-    return kq.astype(np.float32) * ks, vq.astype(np.float32) * vs[:, None]
+    dk, dv = kq.astype(np.float32) * ks, vq.astype(np.float32) * vs[:, None]
+    return (dk, dv, kq, ks) if codes else (dk, dv)

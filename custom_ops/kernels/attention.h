@@ -84,8 +84,10 @@ void merge_states(const AttentionGroup& a, AttentionState* dst, const AttentionS
 void finalize(const AttentionGroup& a, const AttentionState& s);
 
 /// Instruction-set levels, best last. The scalar level is always built and is the test oracle.
-/// kAvx512Bf16 ("avx512_bf16") is kAvx512 plus VDPBF16PS for q . k of bfloat16 caches (exact
-/// bf16 products, float32 sums; see attention_avx512_bf16.cc); other dtypes run as kAvx512.
+/// kAvx512Bf16 ("avx512_bf16", needs AVX512_BF16 and AVX512_VNNI) is kAvx512 plus VDPBF16PS for
+/// q . k of bfloat16 caches (exact bf16 products, float32 sums; see attention_avx512_bf16.cc) and
+/// VPDPWSSD for the exact int16 pair sums of int8 pages (kAvx512 and kAvx2 compute the same
+/// sums with VPMADDWD + VPADDD); other dtypes run as kAvx512.
 enum class Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
 const char* isa_name(Isa isa);
 /// Best level this CPU supports.

@@ -99,6 +99,24 @@ struct Avx2 {
     const vf sb = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(nb, bias), 23));
     return mul(mul(p, sa), sb);
   }
+  // 16-bit fixed point (int8 pages, simd_quant.h): int32 / int16 lanes carried in a vf.
+  static __m256i ci(vf x) { return _mm256_castps_si256(x); }
+  static vf cf(__m256i x) { return _mm256_castsi256_ps(x); }
+  static vf load_raw_i16(const int16_t* p) { return cf(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static vf widen_i8(const int8_t* p) {
+    return cf(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  static vf dot_i16(vf acc, vf a, vf b) { return cf(_mm256_add_epi32(ci(acc), _mm256_madd_epi16(ci(a), ci(b)))); }
+  static vf add_i32(vf a, vf b) { return cf(_mm256_add_epi32(ci(a), ci(b))); }
+  static vf cvt_i32(vf a) { return _mm256_cvtepi32_ps(ci(a)); }
+  static vf set1_i32(int32_t x) { return cf(_mm256_set1_epi32(x)); }
+  static void round_i16(int16_t* dst, vf x) {
+    const __m256i i = _mm256_cvtps_epi32(x);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst),
+                     _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1)));
+  }
+  static vf pair_lo(vf x) { return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(ci(x), 16), 16)); }
+  static vf pair_hi(vf x) { return _mm256_cvtepi32_ps(_mm256_srai_epi32(ci(x), 16)); }
   __attribute__((always_inline)) static vf transpose_reduce(const vf* acc) {
     vf w[4];
     for (int k = 0; k < 4; ++k)

@@ -1,6 +1,7 @@
 // AVX-512 + AVX512_BF16 instantiation of the SIMD attention kernel: the avx512 level plus
-// VDPBF16PS for q . k when the cache (and so q) is bfloat16. Compiled with the avx512
-// flags and -mavx512bf16; only called after run-time detection (attention_common.cc).
+// VDPBF16PS for q . k when the cache (and so q) is bfloat16, and VPDPWSSD for the 16-bit
+// fixed-point dot products of int8 pages. Compiled with the avx512 flags, -mavx512bf16 and
+// -mavx512vnni; only called after run-time detection of both (attention_common.cc).
 //
 // VDPBF16PS multiplies pairs of bf16 elements and adds both products to a float32 lane:
 // a bf16 x bf16 product is exact in float32 (8 x 8 significand bits), so the scores are the
@@ -31,6 +32,8 @@ struct Avx512Bf16 : Avx512 {
   }
   // acc[i] += a.bf16[2i] * b.bf16[2i] + a.bf16[2i+1] * b.bf16[2i+1]
   static vf dot_bf16(vf acc, vf a, vf b) { return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b); }
+  // VPDPWSSD (AVX512_VNNI, which every AVX512_BF16 CPU has): the pair dot and the add in one.
+  static vf dot_i16(vf acc, vf a, vf b) { return cf(_mm512_dpwssd_epi32(ci(acc), ci(a), ci(b))); }
 };
 
 }  // namespace

@@ -1,7 +1,9 @@
 // Helpers shared by the attention kernels of every ISA level (internal).
 #pragma once
 
+#include <algorithm>
 #include <cfloat>
+#include <cmath>
 #include <cstdint>
 
 #include "common/dtype.h"
@@ -64,6 +66,53 @@ inline void visible_union(const AttentionGroup& a, int64_t* lo, int64_t* hi) {
     *lo = l < *lo ? l : *lo;
     *hi = h > *hi ? h : *hi;
   }
+}
+
+/// Whether int8 blocks are attended in 16-bit fixed point (int8_query), or, when not, by
+/// dequantized float K (every level decides the same way, over every int8 block of the call):
+/// max |q| times the largest K scale stays well inside float32 (q is read in its storage type;
+/// scales are >= 0; a NaN max compares false). A code 0 times an infinite q * scale would be NaN
+/// where code * scale is 0.
+inline bool int8_fixed_point(const AttentionGroup& a) {
+  float ks = 0.0f;
+  bool any = false;
+  for (int64_t b = 0; b < a.num_blocks; ++b) {
+    const KVBlock& kb = a.blocks[b];
+    if (kb.encoding != KVEncoding::kInt8) continue;
+    any = true;
+    for (int64_t d = 0; d < a.head_dim; ++d) ks = std::max(ks, kb.key_scale[d]);
+  }
+  if (!any) return false;
+  float qm = 0.0f;
+  const int64_t valid = std::min(a.num_valid_rows, a.num_rows);
+  for (int64_t h = 0; h < a.group_size; ++h)
+    for (int64_t i = 0; i < valid; ++i)
+      for (int64_t d = 0; d < a.head_dim; ++d)
+        qm = std::max(qm, std::fabs(load(a.dtype, a.q, h * a.q_head_stride + i * a.q_row_stride + d)));
+  return qm * std::max(a.scale, 1.0f) * ks < 1e30f;
+}
+
+/// Largest |q16| of int8_query: int32 sums of head_dim products with |code| <= 127 stay below 2^31.
+inline float int8_query_max(int64_t head_dim) {
+  return static_cast<float>(std::min<int64_t>(32767, 2147483647 / (127 * head_dim)));
+}
+
+/// A query row in 16-bit fixed point against one int8 page (docs/API.md, "Quantized pages"):
+/// x_d = qs[d] * key_scale[d] (float32; qs = q * scale, or q alone with softcap), m = max |x_d|,
+/// q16[d] = round_half_even(x_d * (qmax / m)) (qmax = int8_query_max), returns sq = m / qmax, so
+/// that q . k = sq * sum_d q16[d] * code[d] (exact int32 sums) up to |x_d - sq * q16[d]| <= sq / 2.
+/// (A max below 2^-100 is first scaled by 2^100, exactly, so qmax / m stays finite.) The SIMD
+/// levels compute the same q16 and sq with the same float32 operations.
+inline float int8_query(const float* qs, const float* key_scale, int64_t D, int16_t* q16) {
+  float m = 0.0f;
+  for (int64_t d = 0; d < D; ++d) m = std::max(m, std::fabs(qs[d] * key_scale[d]));
+  const float qmax = int8_query_max(D);
+  const float pre = m < 0x1p-100f ? 0x1p100f : 1.0f;
+  m *= pre;
+  const float inv = m > 0.0f ? qmax / m : 0.0f;
+  const float f = pre * inv;
+  for (int64_t d = 0; d < D; ++d) q16[d] = static_cast<int16_t>(std::nearbyint((qs[d] * key_scale[d]) * f));
+  return m / qmax / pre;
 }
 
 }  // namespace detail

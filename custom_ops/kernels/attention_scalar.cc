@@ -20,6 +20,12 @@ void attend_range_scalar(const AttentionGroup& a, int64_t key_begin, int64_t key
   for (int64_t h = 0; h < G; ++h)
     for (int64_t i = 0; i < valid; ++i)
       for (int64_t d = 0; d < D; ++d) qf[(h * S + i) * D + d] = load(a.dtype, a.q, h * a.q_head_stride + i * a.q_row_stride + d);
+  // int8 blocks: q in 16-bit fixed point per (row, block) (int8_query), as every SIMD level;
+  // q16 [G * S, D] and sq [G * S] after vf, for the block in q16_blk
+  const bool fixed = int8_fixed_point(a);
+  int16_t* q16 = reinterpret_cast<int16_t*>(vf + Dv);
+  float* sq = reinterpret_cast<float*>(q16 + G * S * D);
+  int64_t q16_blk = -1;
   const float lowest = lowest_of(a.mask.dtype);
   const int64_t es = static_cast<int64_t>(dtype_size(a.dtype));
   key_end = std::min(key_end, a.num_keys);
@@ -27,6 +33,17 @@ void attend_range_scalar(const AttentionGroup& a, int64_t key_begin, int64_t key
     const KVBlock& kb = a.blocks[blk];
     const int64_t first = std::max(key_begin, kb.first_position);
     const int64_t last = std::min(key_end, kb.first_position + kb.num_rows);
+    const bool codes = fixed && kb.encoding == KVEncoding::kInt8;
+    if (codes && first < last && q16_blk != blk) {
+      for (int64_t h = 0; h < G; ++h)
+        for (int64_t i = 0; i < valid; ++i) {
+          const int64_t r = h * S + i;
+          float* x = kf;  // q * scale (or q with softcap), as the SIMD levels scale it
+          for (int64_t d = 0; d < D; ++d) x[d] = qf[r * D + d] * (a.softcap > 0.0f ? 1.0f : a.scale);
+          sq[r] = int8_query(x, kb.key_scale, D, q16 + r * D);
+        }
+      q16_blk = blk;
+    }
     for (int64_t j = first; j < last; ++j) {
       const int64_t row = j - kb.first_position;
       bool loaded = false;
@@ -36,10 +53,11 @@ void attend_range_scalar(const AttentionGroup& a, int64_t key_begin, int64_t key
         if (j < lo || j >= hi) continue;
         if (!loaded) {
           if (kb.encoding == KVEncoding::kInt8) {
-            const int8_t* k8 = static_cast<const int8_t*>(kb.key) + row * D;
-            const int8_t* v8 = static_cast<const int8_t*>(kb.value) + row * Dv;
+            const int64_t pr = kb.page_row + row;
+            const int8_t* k8 = static_cast<const int8_t*>(kb.key) + pr * D;
+            const int8_t* v8 = static_cast<const int8_t*>(kb.value);
             for (int64_t d = 0; d < D; ++d) kf[d] = static_cast<float>(k8[d]) * kb.key_scale[d];
-            for (int64_t d = 0; d < Dv; ++d) vf[d] = static_cast<float>(v8[d]) * kb.value_scale[row];
+            for (int64_t d = 0; d < Dv; ++d) vf[d] = static_cast<float>(v8[int8_value_index(Dv, pr, d)]) * kb.value_scale[pr];
           } else {
             to_float(a.dtype, static_cast<const char*>(kb.key) + row * D * es, kf, D);
             to_float(a.dtype, static_cast<const char*>(kb.value) + row * Dv * es, vf, Dv);
@@ -50,10 +68,19 @@ void attend_range_scalar(const AttentionGroup& a, int64_t key_begin, int64_t key
           const float bias = mask_bias(a.mask, h, i, j, lowest);
           if (bias == -INFINITY) continue;
           const int64_t r = h * S + i;
-          const float* q = qf + r * D;
           float s = 0.0f;
-          for (int64_t d = 0; d < D; ++d) s += q[d] * kf[d];
-          s *= a.scale;
+          if (codes) {  // exact int32 sum of q16 x codes, times sq (scale included unless softcap)
+            const int8_t* k8 = static_cast<const int8_t*>(kb.key) + (kb.page_row + row) * D;
+            const int16_t* qq = q16 + r * D;
+            int64_t sum = 0;
+            for (int64_t d = 0; d < D; ++d) sum += static_cast<int64_t>(qq[d]) * k8[d];
+            s = sq[r] * static_cast<float>(sum);
+            if (a.softcap > 0.0f) s *= a.scale;
+          } else {
+            const float* q = qf + r * D;
+            for (int64_t d = 0; d < D; ++d) s += q[d] * kf[d];
+            s *= a.scale;
+          }
           if (a.softcap > 0.0f) s = a.softcap * std::tanh(s / a.softcap);
           s += bias;
           if (s != s || s == INFINITY) {  // NaN or +inf (q, k, mask): the row is NaN, as ONNX softmax gives

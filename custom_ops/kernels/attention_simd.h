@@ -47,43 +47,25 @@ constexpr int64_t lanes_min_rows() {
   return V::W;
 }
 
-// max |q| times the largest K scale of the int8 blocks overlapping [key_begin, key_end) stays
-// well inside float32 (q is read in its storage type; scales are >= 0).
-inline bool int8_fold_is_safe(const AttentionGroup& a, int64_t key_begin, int64_t key_end) {
-  float ks = 0.0f;
-  for (int64_t b = 0; b < a.num_blocks; ++b) {
-    const KVBlock& kb = a.blocks[b];
-    if (kb.encoding != KVEncoding::kInt8 || kb.first_position >= key_end ||
-        kb.first_position + kb.num_rows <= key_begin)
-      continue;
-    for (int64_t d = 0; d < a.head_dim; ++d) ks = std::max(ks, kb.key_scale[d]);
-  }
-  float qm = 0.0f;
-  const int64_t valid = std::min(a.num_valid_rows, a.num_rows);
-  for (int64_t h = 0; h < a.group_size; ++h)
-    for (int64_t i = 0; i < valid; ++i)
-      for (int64_t d = 0; d < a.head_dim; ++d)
-        qm = std::max(qm, std::fabs(detail::load(a.dtype, a.q, h * a.q_head_stride + i * a.q_row_stride + d)));
-  // (a NaN max compares false: the tiled path, which propagates it as the native path does)
-  return qm * std::max(a.scale, 1.0f) * ks < 1e30f;
-}
-
 // Keys [key_begin, key_end) whose blocks all have encoding `enc`.
 template <class V>
 void attend_run(const AttentionGroup& a, int64_t key_begin, int64_t key_end, AttentionState* st, float* scratch,
                 KVEncoding enc) {
   const int64_t group_rows = a.group_size * std::min(a.num_valid_rows, a.num_rows);
   if (a.mask.kind == MaskKind::kNone && group_rows >= lanes_min_rows<V>()) {
-    attend_lanes<V>(a, key_begin, key_end, st, scratch, enc);
+    attend_lanes<V>(a, key_begin, key_end, st, scratch, enc, enc != KVEncoding::kNative && detail::int8_fixed_point(a));
     return;
   }
   if (enc != KVEncoding::kNative) {
-    // int8: few rows read the codes directly, scales folded into q and p (simd_rows.h); many
-    // rows, or a q times K scale that could overflow float32 (code 0 times an infinite q * scale
-    // would be NaN where code * scale is 0), dequantize each tile once (simd_common.h)
-    if (group_rows >= kConvertTileRows || !int8_fold_is_safe(a, key_begin, key_end))
-      attend_impl<V, LoadF32<V>, true>(a, key_begin, key_end, st, scratch, enc);
-    else attend_impl<V, LoadI8<V>, false>(a, key_begin, key_end, st, scratch, enc);
+    // int8: scores with q in 16-bit fixed point per (row, page) (detail::int8_query) unless q
+    // times the K scales could overflow float32 (detail::int8_fixed_point: then dequantized K).
+    // Few rows read the codes directly (exact int32 sums, simd_rows.h); many rows, or a head_dim
+    // the int16 vectors do not divide, convert each tile to float once (simd_common.h) and take
+    // the same fixed-point q as float.
+    const bool fixed = detail::int8_fixed_point(a);
+    if (fixed && group_rows < kConvertTileRows && group_rows <= kCodesMaxRows && a.head_dim % (2 * V::W) == 0)
+      attend_impl<V, LoadI8<V>, false>(a, key_begin, key_end, st, scratch, enc);
+    else attend_impl<V, LoadF32<V>, true>(a, key_begin, key_end, st, scratch, enc, fixed);
     return;
   }
   const bool tiles = group_rows >= kConvertTileRows;

@@ -81,6 +81,26 @@ struct Avx512 {
     p = fma(p, mul(r, r), add(r, set1(1.0f)));
     return _mm512_scalef_ps(p, n);
   }
+  // 16-bit fixed point (int8 pages, simd_quant.h): int32 / int16 lanes carried in a vf.
+  static __m512i ci(vf x) { return _mm512_castps_si512(x); }
+  static vf cf(__m512i x) { return _mm512_castsi512_ps(x); }
+  static vf load_raw_i16(const int16_t* p) { return cf(_mm512_loadu_si512(p)); }  // 2 * W int16
+  // 2 * W int8 codes sign-extended to 2 * W int16.
+  static vf widen_i8(const int8_t* p) {
+    return cf(_mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+  }
+  // acc.i32[i] + a.i16[2i] * b.i16[2i] + a.i16[2i+1] * b.i16[2i+1] (exact, no saturation)
+  static vf dot_i16(vf acc, vf a, vf b) { return cf(_mm512_add_epi32(ci(acc), _mm512_madd_epi16(ci(a), ci(b)))); }
+  static vf add_i32(vf a, vf b) { return cf(_mm512_add_epi32(ci(a), ci(b))); }
+  static vf cvt_i32(vf a) { return _mm512_cvtepi32_ps(ci(a)); }
+  static vf set1_i32(int32_t x) { return cf(_mm512_set1_epi32(x)); }
+  // W lanes rounded to the nearest integer (ties to even), saturated to int16.
+  static void round_i16(int16_t* dst, vf x) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(x)));
+  }
+  // The low / high int16 of every int32 lane, as float.
+  static vf pair_lo(vf x) { return _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(ci(x), 16), 16)); }
+  static vf pair_hi(vf x) { return _mm512_cvtepi32_ps(_mm512_srai_epi32(ci(x), 16)); }
   // out[t] = sum of the lanes of acc[t], t = 0..15.
   __attribute__((always_inline)) static vf transpose_reduce(const vf* acc) {
     vf w[8];

@@ -12,15 +12,19 @@ namespace olep {
 enum class KVEncoding : uint8_t {
   /// The cache element type: K rows head_dim elements apart, V rows v_head_dim apart.
   kNative = 0,
-  /// int8, symmetric: K element (r, d) = key[r * head_dim + d] * key_scale[d] (one scale per
-  /// channel of the page), V element (r, d) = value[r * v_head_dim + d] * value_scale[r] (one
-  /// scale per row).
+  /// int8, symmetric, over a whole page of page_tokens rows (an even number): with page row
+  /// pr = page_row + r, K element (r, d) = key[pr * head_dim + d] * key_scale[d] (one scale per
+  /// channel of the page) and V element (r, d) = value[int8_value_index(v_head_dim, pr, d)] *
+  /// value_scale[pr] (one scale per row). V codes are stored in row pairs, channel-interleaved
+  /// ([page_tokens / 2, v_head_dim, 2]: rows 2k and 2k + 1 of channel d side by side), so that a
+  /// 16-bit pair dot product (VPDPWSSD / VPMADDWD) weighs two keys' codes of one channel at once.
   kInt8 = 1,
 };
 
 /// Row r of the block holds absolute key position first_position + r, stored as `encoding`
-/// says; key_scale / value_scale are null for native blocks, and value_scale points at the
-/// scale of the block's row 0.
+/// says. Native blocks: key / value point at the block's row 0, page_row is 0, key_scale /
+/// value_scale are null. Quantized blocks: key, value, key_scale and value_scale point at the
+/// page's row 0 (its codes and scales), and the block's row 0 is page row page_row.
 struct KVBlock {
   const void* key = nullptr;
   const void* value = nullptr;
@@ -28,8 +32,14 @@ struct KVBlock {
   int64_t num_rows = 0;
   KVEncoding encoding = KVEncoding::kNative;
   const float* key_scale = nullptr;    // [head_dim]
-  const float* value_scale = nullptr;  // [num_rows]
+  const float* value_scale = nullptr;  // [page_tokens] (quantized), indexed by page row
+  int64_t page_row = 0;
 };
+
+/// Index of V element (page row pr, channel d) in an int8 page's V codes (KVEncoding::kInt8).
+inline int64_t int8_value_index(int64_t v_head_dim, int64_t pr, int64_t d) {
+  return (pr >> 1) * 2 * v_head_dim + 2 * d + (pr & 1);
+}
 
 /// The K/V blocks of every (sequence b, kv head h) of one attention call: blocks
 /// [offsets[b * Hkv + h], offsets[b * Hkv + h + 1]) of `blocks`. Invariants: per (b, h) the

@@ -45,8 +45,8 @@ inline void convert_rows(DType t, const void* src, int64_t n, int64_t cols, int6
   if (n < rows) std::memset(dst + n * cols, 0, static_cast<size_t>((rows - n) * cols) * sizeof(float));
 }
 
-// Rows [0, n) of int8 elements, `cols` per row, as float times col_scale[c] (per channel, or
-// null) times row_scale[r] (per row, or null); rows n..rows-1 zero (KVEncoding::kInt8).
+// Rows [0, n) of int8 elements, `cols` per row, as float times col_scale[c] (per channel), or
+// times row_scale[r] (per row), or as they are (both null); rows n..rows-1 zero.
 template <class V>
 inline void dequant_rows_i8(const int8_t* src, int64_t n, int64_t cols, int64_t rows, const float* col_scale,
                             const float* row_scale, float* dst) {
@@ -56,6 +56,8 @@ inline void dequant_rows_i8(const int8_t* src, int64_t n, int64_t cols, int64_t 
     float* o = dst + r * cols;
     if (col_scale) {
       for (int64_t c = 0; c < cols; c += W) V::store(o + c, V::mul(V::load_i8(s + c), V::load(col_scale + c)));
+    } else if (!row_scale) {
+      for (int64_t c = 0; c < cols; c += W) V::store(o + c, V::load_i8(s + c));
     } else {
       const typename V::vf rs = V::set1(row_scale[r]);
       for (int64_t c = 0; c < cols; c += W) V::store(o + c, V::mul(V::load_i8(s + c), rs));
@@ -66,20 +68,42 @@ inline void dequant_rows_i8(const int8_t* src, int64_t n, int64_t cols, int64_t 
 
 // The K (or V) rows of the cursor's current tile, n of them, as float in dst ([rows, cols],
 // rows n..rows-1 zero), whatever the block's encoding: the tile conversion of both paths.
+// int8 K with `codes`: the codes alone (the K scales are in the fixed-point q, int8_query).
 template <class V, class Cursor>
-inline void convert_k_tile(const AttentionGroup& a, const Cursor& c, int64_t n, int64_t rows, float* dst) {
+inline void convert_k_tile(const AttentionGroup& a, const Cursor& c, int64_t n, int64_t rows, float* dst,
+                           bool codes = false) {
   const KVBlock& b = a.blocks[c.blk];
   if (b.encoding == KVEncoding::kInt8)
-    dequant_rows_i8<V>(reinterpret_cast<const int8_t*>(c.krows), n, a.head_dim, rows, b.key_scale, nullptr, dst);
+    dequant_rows_i8<V>(reinterpret_cast<const int8_t*>(c.krows), n, a.head_dim, rows, codes ? nullptr : b.key_scale,
+                       nullptr, dst);
   else
     convert_rows<V>(a.dtype, c.krows, n, a.head_dim, rows, dst);
 }
+// Rows [0, n) of int8 V codes stored in row pairs (kv_block.h) as float times row_scale[r];
+// `pairs` is the row pair holding row 0, which is row `par` of it; rows n..rows-1 zero.
+template <class V>
+inline void dequant_pairs_i8(const int8_t* pairs, int64_t par, int64_t n, int64_t cols, int64_t rows,
+                             const float* row_scale, float* dst) {
+  constexpr int W = V::W;
+  for (int64_t r = 0; r < n; ++r) {
+    const int64_t pr = par + r;
+    const int8_t* s = pairs + (pr >> 1) * 2 * cols;
+    float* o = dst + r * cols;
+    const typename V::vf rs = V::set1(row_scale[r]);
+    for (int64_t c = 0; c < cols; c += W) {
+      const typename V::vf x = V::widen_i8(s + 2 * c);  // channels c..c+W-1 of both rows
+      V::store(o + c, V::mul((pr & 1) ? V::pair_hi(x) : V::pair_lo(x), rs));
+    }
+  }
+  if (n < rows) std::memset(dst + n * cols, 0, static_cast<size_t>((rows - n) * cols) * sizeof(float));
+}
+
 template <class V, class Cursor>
 inline void convert_v_tile(const AttentionGroup& a, const Cursor& c, int64_t n, int64_t rows, float* dst) {
   const KVBlock& b = a.blocks[c.blk];
   if (b.encoding == KVEncoding::kInt8)
-    dequant_rows_i8<V>(reinterpret_cast<const int8_t*>(c.vrows), n, a.v_head_dim, rows, nullptr,
-                       b.value_scale + (c.j0 - b.first_position), dst);
+    dequant_pairs_i8<V>(reinterpret_cast<const int8_t*>(c.vrows), c.vpar, n, a.v_head_dim, rows,
+                        b.value_scale + b.page_row + (c.j0 - b.first_position), dst);
   else
     convert_rows<V>(a.dtype, c.vrows, n, a.v_head_dim, rows, dst);
 }
@@ -98,12 +122,11 @@ struct LoadF16 {
   using elem = uint16_t;
   static typename V::vf load(const uint16_t* p) { return V::load_f16(p); }
 };
-// int8 codes (KVEncoding::kInt8) without their scales: the row path folds the K scales into q
-// (per block) and the V scales into the probabilities (per key), so the loops see codes only.
+// int8 codes (KVEncoding::kInt8) read as codes: the row path's 16-bit fixed-point loops
+// (simd_rows.h, I16Dot, simd_pv.h pv_rows_i16); never converted element by element to float.
 template <class V>
 struct LoadI8 {
   using elem = int8_t;
-  static typename V::vf load(const int8_t* p) { return V::load_i8(p); }
 };
 template <class V>
 struct LoadBF16 {
@@ -115,6 +138,9 @@ struct LoadBF16 {
 // FloatDot: float q (pre-scaled) times K loaded through KL (converted to float), FMAs.
 // Bf16Dot (levels with V::kBf16Dot): raw bf16 q (unscaled) and K rows, V::dot_bf16
 // (VDPBF16PS: two exact bf16 products per float lane), 2 * W elements per vector.
+// I16Dot (int8 blocks): q in 16-bit fixed point (detail::int8_query) times K codes widened to
+// int16, exact int32 pair sums (V::dot_i16), 2 * W elements per vector.
+// add() sums two partial accumulators, finish() turns an accumulator into float lanes.
 template <class V, class KL>
 struct FloatDot {
   using vf = typename V::vf;
@@ -125,6 +151,21 @@ struct FloatDot {
   static vf load_k(const kelem* p) { return KL::load(p); }
   static vf mul(vf q, vf k) { return V::mul(q, k); }
   static vf madd(vf acc, vf q, vf k) { return V::fma(q, k, acc); }
+  static vf add(vf a, vf b) { return V::add(a, b); }
+  static vf finish(vf a) { return a; }
+};
+template <class V>
+struct I16Dot {
+  using vf = typename V::vf;
+  using qelem = int16_t;
+  using kelem = int8_t;
+  static constexpr int kStep = 2 * V::W;
+  static vf load_q(const int16_t* p) { return V::load_raw_i16(p); }
+  static vf load_k(const int8_t* p) { return V::widen_i8(p); }
+  static vf mul(vf q, vf k) { return V::dot_i16(V::zero(), q, k); }
+  static vf madd(vf acc, vf q, vf k) { return V::dot_i16(acc, q, k); }
+  static vf add(vf a, vf b) { return V::add_i32(a, b); }
+  static vf finish(vf a) { return V::cvt_i32(a); }
 };
 template <class V>
 struct Bf16Dot {
@@ -136,6 +177,8 @@ struct Bf16Dot {
   static vf load_k(const uint16_t* p) { return V::load_raw(p); }
   static vf mul(vf q, vf k) { return V::dot_bf16(V::zero(), q, k); }
   static vf madd(vf acc, vf q, vf k) { return V::dot_bf16(acc, q, k); }
+  static vf add(vf a, vf b) { return V::add(a, b); }
+  static vf finish(vf a) { return a; }
 };
 
 // Probabilities of keys a row cannot see are stored as -0.0f (kUnseen); a visible key's

@@ -26,7 +26,7 @@ namespace simd {
 // Scratch: scratch_floats() in attention_common.cc covers the layout below.
 template <class V>
 void attend_lanes(const AttentionGroup& a, int64_t key_begin, int64_t key_end, AttentionState* st, float* scratch,
-                  KVEncoding enc = KVEncoding::kNative) {
+                  KVEncoding enc = KVEncoding::kNative, bool fixed = false) {
   using vf = typename V::vf;
   constexpr int W = V::W;
   constexpr int TK = kLaneTileKeys;     // keys per tile
@@ -42,6 +42,7 @@ void attend_lanes(const AttentionGroup& a, int64_t key_begin, int64_t key_end, A
   float* mloc = ptile + TK * Rp;   // [Rp] running max, lanes
   float* lloc = mloc + Rp;         // [Rp] running sum, lanes
   float* corr = lloc + Rp;         // [Rp] this tile's rescale factor
+  float* qt8 = corr + Rp;          // [D, Rp] int8 blocks, fixed: sq * q16 per row (int8_query)
 
   const bool capped = a.softcap > 0.0f;
   const float qscale = capped ? 1.0f : a.scale;
@@ -52,6 +53,7 @@ void attend_lanes(const AttentionGroup& a, int64_t key_begin, int64_t key_end, A
   const bool dot = kDotLevel && enc == KVEncoding::kNative && a.dtype == DType::kBFloat16 && D % 2 == 0;
   uint32_t* qt2 = reinterpret_cast<uint32_t*>(qt);  // [D / 2, Rp] when dot
   std::fill(qt, qt + D * Rp, 0.0f);
+  if (fixed) std::fill(qt8, qt8 + D * Rp, 0.0f);
   for (int64_t h = 0; h < G; ++h)
     for (int64_t i = 0; i < valid; ++i) {
       const int64_t r = h * S + i, off = h * a.q_head_stride + i * a.q_row_stride;
@@ -93,8 +95,22 @@ void attend_lanes(const AttentionGroup& a, int64_t key_begin, int64_t key_end, A
   const int64_t lane_steps = nblocks * (TK / KB) * (D / 2) + (G * valid / RB) * pv_passes<W, RB>(Dv) * TK +
                              (G * valid % RB) * pv_passes<W, 1>(Dv) * TK;
 
+  int64_t scaled_blk = -1;  // fixed: the block whose K scales qt8 holds
+  const float* qsrc = fixed ? qt8 : qt;
   for (TileCursor tc{a, kmin, kmax, TK, es}; tc.next();) {
     const int64_t j0 = tc.j0, n = tc.n;
+    if (fixed && tc.blk != scaled_blk) {
+      const float* ks = a.blocks[tc.blk].key_scale;
+      float* row = ktile;                                  // free until this tile's K conversion
+      int16_t* t = reinterpret_cast<int16_t*>(row + D);  // ktile holds TK * D floats
+      for (int64_t r = 0; r < R; ++r) {
+        if (r % S >= valid) continue;
+        for (int64_t d = 0; d < D; ++d) row[d] = qt[d * Rp + r];
+        const float sq = detail::int8_query(row, ks, D, t);
+        for (int64_t d = 0; d < D; ++d) qt8[d * Rp + r] = sq * static_cast<float>(t[d]);
+      }
+      scaled_blk = tc.blk;
+    }
     const char* krows = tc.krows;
     const char* vrows = tc.vrows;
     pf.reset_next(tc, D * es, Dv * es, lane_steps);  // spread over this tile's loops
@@ -113,7 +129,7 @@ void attend_lanes(const AttentionGroup& a, int64_t key_begin, int64_t key_end, A
     } else if (a.dtype == DType::kFloat32 && enc == KVEncoding::kNative && n == TK) {
       kp = reinterpret_cast<const float*>(krows);
     } else {  // convert (dequantize), or pad a partial tile with zeros (K rows >= n must not be read)
-      convert_k_tile<V>(a, tc, n, TK, ktile);
+      convert_k_tile<V>(a, tc, n, TK, ktile, fixed);
       kp = ktile;
     }
     if (a.dtype == DType::kFloat32 && enc == KVEncoding::kNative) {
@@ -177,7 +193,7 @@ void attend_lanes(const AttentionGroup& a, int64_t key_begin, int64_t key_end, A
 #pragma GCC unroll 8
         for (int u = 0; u < KB; ++u) acc[u] = V::zero();
         const float* kr = kp + k0 * D;
-        const float* qc = qt + rb;
+        const float* qc = qsrc + rb;
         for (int64_t d = 0; d < D; ++d) {
           if ((d & 1) == 0) pf.step();
           const vf qv = V::load(qc + d * Rp);

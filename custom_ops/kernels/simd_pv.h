@@ -99,6 +99,80 @@ constexpr int64_t pv_passes(int64_t Dv) {
   return calls;
 }
 
+// P.V on int8 V codes in row pairs (KVEncoding::kInt8, kv_block.h), 16-bit fixed point: per
+// output row, the tile's weights w_t = p_t * value_scale_t are rounded to int16 relative to the
+// tile's largest, wq_t = round(w_t * 32767 / w_max) (relative error <= 2^-16 of w_max), and
+// each V row pair meets a pair of weights in one exact int32 pair dot product per channel
+// (V::dot_i16); o = o * corr + (w_max / 32767) * sum. `words` [RB] hold a row's int16 weights
+// laid out as the V pairs are (weight of pair row i at words[rr][i]), `npairs` pairs from
+// `pairs` (the V row pair of the tile's first key); sums stay below 2^31 (W / 2 + 1 pairs of
+// 2 * 32767 * 127).
+template <class V, int RB, int NU>
+OLEP_HOT void pv_block_i16(float* const* acc, const int16_t* const* words, const float* wscale, const float* corr,
+                           const int8_t* pairs, int64_t Dv, int64_t npairs, TilePrefetch* pf) {
+  using vf = typename V::vf;
+  constexpr int W = V::W;
+  vf s[RB][NU];
+#pragma GCC unroll 4
+  for (int rr = 0; rr < RB; ++rr)
+#pragma GCC unroll 8
+    for (int u = 0; u < NU; ++u) s[rr][u] = V::zero();
+  for (int64_t k = 0; k < npairs; ++k) {
+    pf->step();
+    vf vv[NU];
+#pragma GCC unroll 8
+    for (int u = 0; u < NU; ++u) vv[u] = V::widen_i8(pairs + k * 2 * Dv + u * 2 * W);
+#pragma GCC unroll 4
+    for (int rr = 0; rr < RB; ++rr) {
+      int32_t w;
+      std::memcpy(&w, words[rr] + 2 * k, sizeof(w));
+      const vf wb = V::set1_i32(w);
+#pragma GCC unroll 8
+      for (int u = 0; u < NU; ++u) s[rr][u] = V::dot_i16(s[rr][u], vv[u], wb);
+    }
+  }
+#pragma GCC unroll 4
+  for (int rr = 0; rr < RB; ++rr) {
+    const vf c = V::set1(corr[rr]), ws = V::set1(wscale[rr]);
+#pragma GCC unroll 8
+    for (int u = 0; u < NU; ++u)
+      V::store(acc[rr] + u * W, V::fma(V::cvt_i32(s[rr][u]), ws, V::mul(V::load(acc[rr] + u * W), c)));
+  }
+}
+
+// pv_block_i16 over the whole Dv (a multiple of W): chunks of 8 vectors where the registers
+// allow (RB * 8 sums + 8 V vectors), then 4, 2, 1.
+template <class V, int RB>
+OLEP_HOT void pv_rows_i16(float* const* acc, const int16_t* const* words, const float* wscale, const float* corr,
+                          const int8_t* pairs, int64_t Dv, int64_t npairs, TilePrefetch* pf) {
+  constexpr int W = V::W;
+  constexpr bool kWide = (W >= 16 && RB <= 2) || RB == 1;
+  float* at[RB];
+  auto point = [&](int64_t d) {
+    for (int rr = 0; rr < RB; ++rr) at[rr] = acc[rr] + d;
+  };
+  int64_t d = 0;
+  if constexpr (kWide) {
+    for (; d + 8 * W <= Dv; d += 8 * W) {
+      point(d);
+      pv_block_i16<V, RB, 8>(at, words, wscale, corr, pairs + 2 * d, Dv, npairs, pf);
+    }
+  }
+  for (; d + 4 * W <= Dv; d += 4 * W) {
+    point(d);
+    pv_block_i16<V, RB, 4>(at, words, wscale, corr, pairs + 2 * d, Dv, npairs, pf);
+  }
+  if (d + 2 * W <= Dv) {
+    point(d);
+    pv_block_i16<V, RB, 2>(at, words, wscale, corr, pairs + 2 * d, Dv, npairs, pf);
+    d += 2 * W;
+  }
+  if (d + W <= Dv) {
+    point(d);
+    pv_block_i16<V, RB, 1>(at, words, wscale, corr, pairs + 2 * d, Dv, npairs, pf);
+  }
+}
+
 }  // namespace simd
 }  // namespace kernels
 }  // namespace olep

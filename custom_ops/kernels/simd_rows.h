@@ -35,6 +35,8 @@ OLEP_COLD_REGS void scores_rows(const typename Dot::qelem* qf, int64_t D, const 
         for (int tt = 0; tt < KB; ++tt) acc[rr * KB + tt] = Dot::madd(acc[rr * KB + tt], qv, kv[tt]);
       }
     }
+#pragma GCC unroll 16
+    for (int e = 0; e < W; ++e) acc[e] = Dot::finish(acc[e]);
     V::store(x[g], V::transpose_reduce(acc));
   }
   for (int rr = 0; rr < RB; ++rr)
@@ -60,17 +62,21 @@ OLEP_COLD_REGS void scores_row_walk(const typename Dot::qelem* q, int64_t D, con
       a0 = Dot::madd(a0, Dot::load_q(q + d + E), Dot::load_k(kr + d + E));
     }
     if (d < D) a1 = Dot::madd(a1, Dot::load_q(q + d), Dot::load_k(kr + d));
-    acc[t] = V::add(a0, a1);
+    acc[t] = Dot::finish(Dot::add(a0, a1));
   }
   V::store(out, V::transpose_reduce(acc));
 }
+
+// Most rows (group_size x valid query rows) the int8 fixed-point row path takes (its per-tile
+// weight buffers are sized for them; attend_run sends more rows to the tiled path).
+constexpr int kCodesMaxRows = 15;
 
 // L: how K/V storage is read; kTiles: convert each K/V tile to float once (shared by
 // every query row of the group) instead of converting on every load. enc: the encoding of
 // every block in [key_begin, key_end) (quantized runs take kTiles, attention_simd.h).
 template <class V, class L, bool kTiles>
 void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, AttentionState* st, float* scratch,
-                 KVEncoding enc = KVEncoding::kNative) {
+                 KVEncoding enc = KVEncoding::kNative, bool fixed = false) {
   using vf = typename V::vf;
   using KL = std::conditional_t<kTiles, LoadF32<V>, L>;  // how the loops below load K/V
   using KE = typename KL::elem;
@@ -84,9 +90,15 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
   float* corr = vtile + W * Dv;     // [R]
   float* lsum = corr + R;           // [R, W] lane-wise sums of p, folded into st->l at the end
   float* pchunk = lsum + R * W;     // [chunk tiles, R, W] scores, then probabilities
-  // int8 codes loaded directly (L = LoadI8): q times the block's K scales, per block
+  // int8 codes read as codes (L = LoadI8): 16-bit fixed point. Per row and block, q times the
+  // block's K scales (q . (code * scale) = (q * scale) . code) rounded to int16 relative to its
+  // largest element (q16, qsc = its scale: relative error <= 2^-16 of max |q * scale|), scores
+  // = qsc * exact int32 sums of q16 x codes (I16Dot); P.V by pv_rows_i16 (simd_pv.h).
   constexpr bool kCodes = std::is_same<L, LoadI8<V>>::value && !kTiles;
-  float* qs = pchunk + (kChunkKeys > R * W ? kChunkKeys : R * W);  // [R, D] when kCodes
+  float* qs = pchunk + (kChunkKeys > R * W ? kChunkKeys : R * W);  // [R, D] kTiles + fixed: sq * q16 as float
+  int16_t* q16 = reinterpret_cast<int16_t*>(qs);                   // [R, D] kCodes
+  float* qsc = reinterpret_cast<float*>(q16 + R * D);              // [R] kCodes
+  int16_t* pw = reinterpret_cast<int16_t*>(vtile);  // [R, 2 * W + 2] P.V weights, kCodes (no V tile then)
 
   const bool capped = a.softcap > 0.0f;
   // bfloat16 q . k by VDPBF16PS (levels that have it, head_dim a multiple of 2 * W, at least
@@ -153,7 +165,7 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
   // prefetch of the next tile covers page starts.
   TileCursor kc{a, kmin, kmax, W, es};  // the scores pass
   TileCursor vc{a, kmin, kmax, W, es};  // the softmax + P.V pass, over the same tiles
-  int64_t scaled_blk = -1;              // kCodes: the block whose K scales qs holds
+  int64_t scaled_blk = -1;              // kCodes: the block whose K scales q16 holds
   const float* qk = qf;                 // the q rows the score loops read
   for (bool more = kc.next(); more;) {
     const int64_t chunk_block = kc.blk;
@@ -172,21 +184,45 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
       pf.reset(nullptr, 0, nullptr, 0, 1);
       if (row_count >= 2) pf.reset_next(kc, D * es, Dv * es, tile_steps);
       if constexpr (kCodes) {
-        if (kc.blk != scaled_blk) {  // q . (code * scale) = (q * scale) . code, per channel
+        if (kc.blk != scaled_blk) {
           const float* ks = a.blocks[kc.blk].key_scale;
+          // int32 sums of D products of |q16| <= qmax and |code| <= 127 stay below 2^31
+          const float qmax = detail::int8_query_max(D);  // the operations of detail::int8_query
           for (int64_t h = 0; h < G; ++h)
             for (int64_t i = 0; i < valid; ++i) {
               const int64_t r = h * S + i;
-              for (int64_t d = 0; d < D; d += W)
-                V::store(qs + r * D + d, V::mul(V::load(qf + r * D + d), V::load(ks + d)));
+              float* t = ktile;  // q * scale of this row (ktile is free until the tile's K copy)
+              vf mx = V::zero();
+              for (int64_t d = 0; d < D; d += W) {
+                const vf x = V::mul(V::load(qf + r * D + d), V::load(ks + d));
+                V::store(t + d, x);
+                mx = V::max(mx, V::abs(x));
+              }
+              float m = V::reduce_max(mx);
+              // (a tiny max is first scaled up by 2^100, exactly, so qmax / m stays finite)
+              const float pre = m < 0x1p-100f ? 0x1p100f : 1.0f;
+              m *= pre;
+              const float inv = m > 0.0f ? qmax / m : 0.0f;
+              for (int64_t d = 0; d < D; d += W) V::round_i16(q16 + r * D + d, V::mul(V::load(t + d), V::set1(pre * inv)));
+              qsc[r] = m / qmax / pre;
             }
           scaled_blk = kc.blk;
-          qk = qs;
         }
+      } else if (kTiles && fixed && kc.blk != scaled_blk) {  // the same fixed-point q, as float
+        const float* ks = a.blocks[kc.blk].key_scale;
+        int16_t* t = reinterpret_cast<int16_t*>(ktile);  // free until the tile's conversion below
+        for (int64_t h = 0; h < G; ++h)
+          for (int64_t i = 0; i < valid; ++i) {
+            const int64_t r = h * S + i;
+            const float sq = detail::int8_query(qf + r * D, ks, D, t);
+            for (int64_t d = 0; d < D; ++d) qs[r * D + d] = sq * static_cast<float>(t[d]);
+          }
+        scaled_blk = kc.blk;
+        qk = qs;
       }
       const KE* kp;
       if constexpr (kTiles) {
-        convert_k_tile<V>(a, kc, n, W, ktile);
+        convert_k_tile<V>(a, kc, n, W, ktile, fixed);
         kp = ktile;
       } else {
         if (n == W) {
@@ -214,10 +250,17 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
               return;
             }
           }
-          using Dot = FloatDot<V, KL>;
-          if (cnt == 4) scores_rows<V, Dot, 4>(qk, D, kp, rows, ptile, &pf);
-          else if (cnt >= 2) scores_rows<V, Dot, 2>(qk, D, kp, rows, ptile, &pf);
-          else scores_row_walk<V, Dot>(qk + rows[0] * D, D, kp, ptile + rows[0] * W, &pf);
+          if constexpr (kCodes) {
+            using Dot = I16Dot<V>;
+            if (cnt == 4) scores_rows<V, Dot, 4>(q16, D, kp, rows, ptile, &pf);
+            else if (cnt >= 2) scores_rows<V, Dot, 2>(q16, D, kp, rows, ptile, &pf);
+            else scores_row_walk<V, Dot>(q16 + rows[0] * D, D, kp, ptile + rows[0] * W, &pf);
+          } else {
+            using Dot = FloatDot<V, KL>;
+            if (cnt == 4) scores_rows<V, Dot, 4>(qk, D, kp, rows, ptile, &pf);
+            else if (cnt >= 2) scores_rows<V, Dot, 2>(qk, D, kp, rows, ptile, &pf);
+            else scores_row_walk<V, Dot>(qk + rows[0] * D, D, kp, ptile + rows[0] * W, &pf);
+          }
         };
         for (int64_t i = 0; i < valid; ++i)
           for (int64_t h = 0; h < G; ++h) {
@@ -254,7 +297,7 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
       vf vscale = V::zero();
       if constexpr (kCodes) {
         const KVBlock& vb = a.blocks[vc.blk];
-        const float* vs = vb.value_scale + (j0 - vb.first_position);
+        const float* vs = vb.value_scale + vb.page_row + (j0 - vb.first_position);
         if (n == W) {
           vscale = V::load(vs);
         } else {  // the last tile of a block: scales past its rows must not be read
@@ -306,6 +349,7 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
           }
           vf s = V::load(prow);
           if (dot && !capped) s = V::mul(s, V::set1(a.scale));  // dot scores are unscaled
+          if constexpr (kCodes) s = V::mul(s, V::set1(qsc[r]));  // fixed-point sums
           if (capped) {
             const vf x = V::mul(s, V::set1(a.scale));
             s = V::mul(V::set1(a.softcap), tanh_v<V>(V::mul(x, V::set1(1.0f / a.softcap))));
@@ -353,7 +397,50 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
       if (!any) continue;
 
       // ---- weighted V accumulation, rescale fused; RB rows per V load ----
-      {
+      if constexpr (kCodes) {
+        // Each row's weights p * value_scale in 16-bit fixed point, laid out as the V row pairs
+        // (a tile starting at an odd page row begins with a zero weight for the row before).
+        const int64_t par = vc.vpar, npairs = (par + n + 1) / 2;
+        constexpr int64_t kStride = 2 * W + 2;
+        float wscale[kCodesMaxRows], cs[kCodesMaxRows];
+        float* accp[kCodesMaxRows];
+        const int16_t* wp[kCodesMaxRows];
+        int nrows = 0;  // rows in (query row, head) order, as the score loops take them
+        for (int64_t i = 0; i < valid; ++i)
+          for (int64_t h = 0; h < G; ++h, ++nrows) {
+            const int64_t r = h * S + i;
+            int16_t* w = pw + nrows * kStride;
+            w[0] = w[W] = w[W + 1] = 0;
+            const vf p = V::load(ptile + r * W);  // >= 0 or -0 (unseen); lanes >= n are unseen
+            // A power of two (no division) puts the largest weight in [2^14, 2^15): f = 2^(14 - e)
+            // for m in [2^e, 2^(e+1)), exponents clamped to float's normal range (a tile whose
+            // weights are all below 2^-113 keeps less precision: they are < 2^-113 of the row's
+            // largest, p = 1, and vanish in its float32 sum anyway).
+            uint32_t mb;
+            const float m = V::reduce_max(p);
+            std::memcpy(&mb, &m, sizeof(mb));
+            const int32_t e = static_cast<int32_t>(mb >> 23) - 127;  // m >= +0
+            const uint32_t fb = static_cast<uint32_t>(std::min(254, std::max(1, 127 + 14 - e))) << 23;
+            const uint32_t ib = static_cast<uint32_t>(254) * (uint32_t{1} << 23) - fb;  // 1 / f, exactly
+            float f, inv;
+            std::memcpy(&f, &fb, sizeof(f));
+            std::memcpy(&inv, &ib, sizeof(inv));
+            V::round_i16(w + par, V::mul(p, V::set1(f)));
+            wscale[nrows] = inv;
+            cs[nrows] = corr[r];
+            accp[nrows] = st->acc + r * Dv;
+            wp[nrows] = w;
+          }
+        const int8_t* pairs = reinterpret_cast<const int8_t*>(vc.vrows);
+        // 4 rows per V load where the registers allow (16 sums + 4 V vectors), else 2, then 1
+        int k = 0;
+        if constexpr (W >= 16)
+          for (; k + 4 <= nrows; k += 4)
+            pv_rows_i16<V, 4>(accp + k, wp + k, wscale + k, cs + k, pairs, Dv, npairs, &pf);
+        for (; k + 2 <= nrows; k += 2)
+          pv_rows_i16<V, 2>(accp + k, wp + k, wscale + k, cs + k, pairs, Dv, npairs, &pf);
+        if (k < nrows) pv_rows_i16<V, 1>(accp + k, wp + k, wscale + k, cs + k, pairs, Dv, npairs, &pf);
+      } else {
         // 16-bit K/V: 4 rows per V load, so each V vector is converted once per 4 rows
         // (measured 5% faster for GQA 32/8 fp16); float32: 2 rows with whole-row chunks.
         constexpr int RB = kPvRows;

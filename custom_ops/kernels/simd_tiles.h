@@ -60,8 +60,8 @@ struct TilePrefetch {
 // on the grid (pages of a multiple of 32 positions) only the first tile of a call and the last of
 // the range can be partial: page ends never split a tile. After next() returns true: j0 = first
 // key, n = keys in the tile, end = the block's last key in range (exclusive), krows / vrows = row
-// j0 of the block's K / V storage. peek() gives the following tile (in this block or the next),
-// for the prefetcher to cross page ends. (A plain loop, not a callback: a lambda body sees its
+// j0 of the block's K / V storage (quantized V: the row pair holding j0, vpar). peek() gives
+// the following tile (in this block or the next), for the prefetcher to cross page ends. (A plain loop, not a callback: a lambda body sees its
 // captures through a pointer, which measured 20% slower for MQA.)
 struct TileCursor {
   const AttentionGroup& a;
@@ -70,6 +70,7 @@ struct TileCursor {
   int64_t blk = -1, j0 = 0, n = 0, end = 0;
   const char* krows = nullptr;
   const char* vrows = nullptr;
+  int64_t vpar = 0;  // quantized blocks: vrows is the V row pair holding j0, which is row vpar of it
 
   // The tile after (blk, j0, n) or the first one when blk < 0: false when there is none.
   bool locate(int64_t* b, int64_t* start, int64_t* count, int64_t* stop) const {
@@ -98,10 +99,21 @@ struct TileCursor {
     j0 = s;
     end = e;
     n = c;
-    const KVBlock& kb = a.blocks[blk];
-    krows = static_cast<const char*>(kb.key) + static_cast<size_t>((j0 - kb.first_position) * a.head_dim) * es;
-    vrows = static_cast<const char*>(kb.value) + static_cast<size_t>((j0 - kb.first_position) * a.v_head_dim) * es;
+    rows_of(a.blocks[blk], j0, &krows, &vrows, &vpar);
     return true;
+  }
+  // K row of key j and its V row (native) or V row pair (quantized: the pair holding j, and
+  // j's place in it), by the block's page row (kv_block.h).
+  void rows_of(const KVBlock& kb, int64_t j, const char** k, const char** v, int64_t* par) const {
+    const int64_t pr = kb.page_row + (j - kb.first_position);
+    *k = static_cast<const char*>(kb.key) + static_cast<size_t>(pr * a.head_dim) * es;
+    if (kb.encoding == KVEncoding::kNative) {
+      *v = static_cast<const char*>(kb.value) + static_cast<size_t>(pr * a.v_head_dim) * es;
+      *par = 0;
+    } else {
+      *v = static_cast<const char*>(kb.value) + static_cast<size_t>((pr & ~int64_t{1}) * a.v_head_dim);
+      *par = pr & 1;
+    }
   }
   // Rows of the tile after the current one, crossing into the next block: K at *k, V at *v,
   // *count keys (0 at the end of the range).
@@ -111,9 +123,8 @@ struct TileCursor {
       *count = 0;
       return;
     }
-    const KVBlock& kb = a.blocks[b];
-    *k = static_cast<const char*>(kb.key) + static_cast<size_t>((s - kb.first_position) * a.head_dim) * es;
-    *v = static_cast<const char*>(kb.value) + static_cast<size_t>((s - kb.first_position) * a.v_head_dim) * es;
+    int64_t par = 0;
+    rows_of(a.blocks[b], s, k, v, &par);
     *count = c;
   }
 };

@@ -3,7 +3,7 @@
 //
 // Layout (little-endian, as this library only runs on x86-64):
 //   bytes 0..7    magic "OLKVCACH"
-//   u32           format version (2)
+//   u32           format version (3)
 //   u32           header size in bytes (from the start of the file)
 //   i64 x 12      num_layers, batch_size, kv_num_heads, head_dim, v_head_dim,
 //                 max_sequence_length, dtype (0 f32, 1 f16, 2 bf16), page_tokens,
@@ -14,8 +14,8 @@
 //   i64 x L*B     first block cold-page quantization has not considered, per (layer, sequence)
 //   block map     u8 per (layer, sequence, block held, head): 0 native, 1 int8 (KVEncoding)
 //   payload       for layer, sequence, head, block held: a native block's valid K rows then its
-//                 V rows; an int8 block (always full) as its page stores it: K int8, V int8,
-//                 K scales, V scales (quantize.h), so values survive exactly
+//                 V rows; an int8 block (always full) as its page stores it: K int8, V int8 in
+//                 row pairs, K scales, V scales (quantize.h), so values survive exactly
 //   u64           checksum of every byte before it (64-bit FNV-1a over 8-byte words)
 // save() writes to "<path>.tmp" and renames it over `path`, so a reader never sees a partial
 // file. load() checks magic, version, every geometry field, the exact file size and the
@@ -35,7 +35,7 @@ namespace olep {
 namespace {
 
 constexpr char kMagic[8] = {'O', 'L', 'K', 'V', 'C', 'A', 'C', 'H'};
-constexpr uint32_t kVersion = 2;
+constexpr uint32_t kVersion = 3;  // 3: int8 V codes in row pairs (kernels/kv_block.h)
 constexpr int kFixedFields = 12;
 
 std::string str(int64_t v) { return std::to_string(v); }

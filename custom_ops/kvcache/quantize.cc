@@ -48,7 +48,7 @@ bool quantize_page_int8(const CacheGeometry& g, const char* src, char* dst) {
     float m = 0.0f;
     for (int64_t d = 0; d < Dv; ++d) m = std::fmax(m, std::fabs(v[static_cast<size_t>(r * Dv + d)]));
     vs[r] = m / 127.0f;
-    for (int64_t d = 0; d < Dv; ++d) vq[r * Dv + d] = code(v[static_cast<size_t>(r * Dv + d)], vs[r]);
+    for (int64_t d = 0; d < Dv; ++d) vq[int8_value_index(Dv, r, d)] = code(v[static_cast<size_t>(r * Dv + d)], vs[r]);
   }
   const int64_t used = g.quant_scale_offset() + 4 * (D + P);
   std::memset(dst + used, 0, static_cast<size_t>(g.quant_page_bytes() - used));
@@ -62,9 +62,11 @@ void dequantize_block(const CacheGeometry& g, const KVBlock& kb, void* k_out, vo
   const size_t es = g.elem_bytes();
   std::vector<float> row(static_cast<size_t>(std::max(D, Dv)));
   for (int64_t r = 0; r < kb.num_rows; ++r) {
-    for (int64_t d = 0; d < D; ++d) row[static_cast<size_t>(d)] = static_cast<float>(kq[r * D + d]) * kb.key_scale[d];
+    const int64_t pr = kb.page_row + r;
+    for (int64_t d = 0; d < D; ++d) row[static_cast<size_t>(d)] = static_cast<float>(kq[pr * D + d]) * kb.key_scale[d];
     from_float(g.dtype, row.data(), static_cast<char*>(k_out) + static_cast<size_t>(r * D) * es, D);
-    for (int64_t d = 0; d < Dv; ++d) row[static_cast<size_t>(d)] = static_cast<float>(vq[r * Dv + d]) * kb.value_scale[r];
+    for (int64_t d = 0; d < Dv; ++d)
+      row[static_cast<size_t>(d)] = static_cast<float>(vq[int8_value_index(Dv, pr, d)]) * kb.value_scale[pr];
     from_float(g.dtype, row.data(), static_cast<char*>(v_out) + static_cast<size_t>(r * Dv) * es, Dv);
   }
 }
@@ -72,10 +74,11 @@ void dequantize_block(const CacheGeometry& g, const KVBlock& kb, void* k_out, vo
 KVBlock int8_block(const CacheGeometry& g, const char* page, int64_t first, int64_t row_begin, int64_t row_end) {
   KVBlock kb;
   kb.encoding = KVEncoding::kInt8;
-  kb.key = page + row_begin * g.head_dim;
-  kb.value = page + g.quant_value_offset() + row_begin * g.v_head_dim;
+  kb.key = page;
+  kb.value = page + g.quant_value_offset();
   kb.key_scale = reinterpret_cast<const float*>(page + g.quant_scale_offset());
-  kb.value_scale = kb.key_scale + g.head_dim + row_begin;
+  kb.value_scale = kb.key_scale + g.head_dim;
+  kb.page_row = row_begin;
   kb.first_position = first + row_begin;
   kb.num_rows = row_end - row_begin;
   return kb;

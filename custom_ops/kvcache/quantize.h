@@ -2,7 +2,7 @@
 // pages"). Pure functions over page bytes; no locks, no pool.
 //
 // int8 page layout (CacheGeometry::quant_page_bytes): K int8 [page_tokens, head_dim], V int8
-// [page_tokens, v_head_dim], K scales float32 [head_dim], V scales float32 [page_tokens].
+// in row pairs [page_tokens / 2, v_head_dim, 2] (int8_value_index, kernels/kv_block.h), K scales float32 [head_dim], V scales float32 [page_tokens].
 // Scheme (symmetric, no zero point, scales from the page's own rows, no calibration):
 //   K: scale[d] = max_r |k[r][d]| / 127 per channel d over the page's rows (channel outliers
 //      stay within their own channel), q = round_half_even(k / scale[d]) in [-127, 127];

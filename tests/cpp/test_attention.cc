@@ -577,39 +577,48 @@ void pages_match_one_block() {
       }
 }
 
-// int8 blocks (KVEncoding::kInt8: per-channel K scales, per-row V scales) mixed with native
-// float32 blocks of one (sequence, head) give what the same values dequantized into one native
-// block give, on the row path (1 and 4 rows) and the lanes path (32 rows), with a ragged end.
-void int8_blocks_match_dequantized() {
+// int8 blocks (KVEncoding::kInt8: per-channel K scales, per-row V scales, V codes in row pairs)
+// mixed with native float32 blocks of one (sequence, head) against a float64 model of the
+// documented arithmetic (docs/API.md, "Quantized pages"): on an int8 page the score is
+// sq * sum_d q16[d] * code[d] with q16 = round_half_even(q * scale * key_scale[d] * qmax / m)
+// (m = the row's max |q * scale * key_scale|, qmax = 32767, sq = m / qmax), native keys score
+// q . k * scale, and values are code * value_scale; at the float32 tolerance. Row path (1 and 4
+// rows: int16 sums) and lanes path (32 rows: the same q16 as float), a ragged end, and a window
+// whose first key is an even or an odd page row (a tile starting inside a V row pair).
+void int8_blocks_match_model() {
   const int64_t D = 32, T = 300, P = 64;
+  const float scale = 0.3f;
+  for (int64_t window : {int64_t{-1}, int64_t{200}, int64_t{201}})
   for (int64_t G : {1, 4, 32}) {
     std::mt19937 rng(static_cast<uint32_t>(40 + G));
     std::normal_distribution<float> nd;
     std::uniform_int_distribution<int> code(-127, 127);
-    std::vector<float> q(static_cast<size_t>(G * D)), kd(static_cast<size_t>(T * D)), vd(kd.size());
+    std::vector<float> q(static_cast<size_t>(G * D));
     for (auto& x : q) x = nd(rng);
-    std::vector<int8_t> k8(kd.size()), v8(kd.size());
+    std::vector<int8_t> k8(static_cast<size_t>(T * D)), v8(k8.size());
     std::vector<float> ks(static_cast<size_t>((T / P + 1) * D)), vs(static_cast<size_t>(T));
     for (auto& x : ks) x = 0.01f + 0.05f * std::fabs(nd(rng));
     for (auto& x : vs) x = 0.01f + 0.05f * std::fabs(nd(rng));
-    std::vector<float> kn(kd.size()), vn(kd.size());  // native rows (blocks 0 and the last)
+    std::vector<float> kn(k8.size()), vn(k8.size());  // native rows (blocks 0 and the last)
     for (auto& x : kn) x = nd(rng);
     for (auto& x : vn) x = nd(rng);
+    std::vector<double> vmodel(k8.size());
     std::vector<KVBlock> mixed;
+    std::vector<bool> quant_blk;
     for (int64_t s0 = 0, blk = 0; s0 < T; s0 += P, ++blk) {
       const int64_t n = std::min(P, T - s0);
       const bool quant = blk == 1 || blk == 2 || blk == 3;
+      quant_blk.push_back(quant);
       for (int64_t r = s0; r < s0 + n; ++r)
         for (int64_t d = 0; d < D; ++d) {
           const size_t i = static_cast<size_t>(r * D + d);
           if (quant) {
             k8[i] = static_cast<int8_t>(code(rng));
-            v8[i] = static_cast<int8_t>(code(rng));
-            kd[i] = static_cast<float>(k8[i]) * ks[static_cast<size_t>(blk * D + d)];
-            vd[i] = static_cast<float>(v8[i]) * vs[static_cast<size_t>(r)];
+            const int8_t vc = static_cast<int8_t>(code(rng));
+            v8[static_cast<size_t>(s0 * D + int8_value_index(D, r - s0, d))] = vc;
+            vmodel[i] = static_cast<double>(vc) * vs[static_cast<size_t>(r)];
           } else {
-            kd[i] = kn[i];
-            vd[i] = vn[i];
+            vmodel[i] = vn[i];
           }
         }
       KVBlock b{nullptr, nullptr, s0, n};
@@ -625,22 +634,61 @@ void int8_blocks_match_dequantized() {
       }
       mixed.push_back(b);
     }
-    const KVBlock one{kd.data(), vd.data(), 0, T};
-    auto run = [&](const KVBlock* blocks, int64_t nb) {
-      std::vector<float> out(static_cast<size_t>(G * D));
-      AttentionGroup a;
-      a.dtype = DType::kFloat32;
-      a.q = q.data(); a.q_head_stride = D; a.q_row_stride = D;
-      a.out = out.data(); a.out_head_stride = D; a.out_row_stride = D;
-      a.group_size = G; a.num_rows = 1; a.num_valid_rows = 1; a.q_offset = T - 1; a.num_keys = T;
-      a.blocks = blocks; a.num_blocks = nb;
-      a.head_dim = D; a.v_head_dim = D; a.scale = 0.3f; a.is_causal = true;
-      std::vector<float> scratch(static_cast<size_t>(attend_group_floats(a)));
-      attend_group(a, scratch.data());
-      return out;
-    };
-    const std::vector<float> want = run(&one, 1), got = run(mixed.data(), static_cast<int64_t>(mixed.size()));
-    for (size_t i = 0; i < want.size(); ++i) CHECK_NEAR(got[i], want[i], 1e-5 + 1e-5 * std::fabs(want[i]));
+    std::vector<float> out(static_cast<size_t>(G * D));
+    AttentionGroup a;
+    a.dtype = DType::kFloat32;
+    a.q = q.data(); a.q_head_stride = D; a.q_row_stride = D;
+    a.out = out.data(); a.out_head_stride = D; a.out_row_stride = D;
+    a.group_size = G; a.num_rows = 1; a.num_valid_rows = 1; a.q_offset = T - 1; a.num_keys = T;
+    a.blocks = mixed.data(); a.num_blocks = static_cast<int64_t>(mixed.size());
+    a.head_dim = D; a.v_head_dim = D; a.scale = scale; a.is_causal = true;
+    a.local_window_size = window;
+    std::vector<float> scratch(static_cast<size_t>(attend_group_floats(a)));
+    attend_group(a, scratch.data());
+    const int64_t lo = window > 0 ? T - window : 0;
+    for (int64_t h = 0; h < G; ++h) {
+      std::vector<double> sc(static_cast<size_t>(T), -INFINITY);
+      for (int64_t blk = 0; blk * P < T; ++blk) {
+        const int64_t s0 = blk * P, n = std::min(P, T - s0);
+        int16_t q16[D];
+        float sq = 0.0f;
+        if (quant_blk[static_cast<size_t>(blk)]) {  // the fixed-point query of this page, float32 steps
+          float x[D], m = 0.0f;
+          for (int64_t d = 0; d < D; ++d) {
+            x[d] = (q[static_cast<size_t>(h * D + d)] * scale) * ks[static_cast<size_t>(blk * D + d)];
+            m = std::max(m, std::fabs(x[d]));
+          }
+          const float f = 32767.0f / m;
+          for (int64_t d = 0; d < D; ++d) q16[d] = static_cast<int16_t>(std::nearbyint(x[d] * f));
+          sq = m / 32767.0f;
+        }
+        for (int64_t j = std::max(s0, lo); j < s0 + n; ++j) {
+          double s = 0.0;
+          for (int64_t d = 0; d < D; ++d) {
+            const size_t i = static_cast<size_t>(j * D + d);
+            s += quant_blk[static_cast<size_t>(blk)] ? static_cast<double>(q16[d]) * k8[i]
+                                                      : static_cast<double>(q[static_cast<size_t>(h * D + d)]) * kn[i];
+          }
+          sc[static_cast<size_t>(j)] = quant_blk[static_cast<size_t>(blk)] ? s * sq : s * scale;
+        }
+      }
+      double mx = -INFINITY, l = 0.0;
+      for (double s : sc) mx = std::max(mx, s);
+      std::vector<double> o(static_cast<size_t>(D), 0.0);
+      for (int64_t j = lo; j < T; ++j) {
+        const double p = std::exp(sc[static_cast<size_t>(j)] - mx);
+        l += p;
+        for (int64_t d = 0; d < D; ++d) o[static_cast<size_t>(d)] += p * vmodel[static_cast<size_t>(j * D + d)];
+      }
+      // float32 tolerance plus the 16-bit P.V weights' rounding (scalar level: none), 2^-16 max |V|
+      double vmax = 0.0;
+      for (double x : vmodel) vmax = std::max(vmax, std::fabs(x));
+      const double pv = active_isa() == Isa::kScalar ? 0.0 : vmax / 65536.0;
+      for (int64_t d = 0; d < D; ++d) {
+        const double want = o[static_cast<size_t>(d)] / l;
+        CHECK_NEAR(out[static_cast<size_t>(h * D + d)], want, 1e-5 + 1e-4 * std::fabs(want) + pv);
+      }
+    }
   }
 }
 
@@ -675,7 +723,7 @@ void one_valid_row_among_padding() {
 }  // namespace
 
 void run_all() {
-  int8_blocks_match_dequantized();
+  int8_blocks_match_model();
   one_valid_row_among_padding();
   uint32_t seed = 1;
   for (int64_t G : {1, 4})

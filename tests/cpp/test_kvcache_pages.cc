@@ -359,7 +359,7 @@ void test_load_crafted_header() {
   for (int64_t b = 0; b < B; ++b) f.push_back(int64_t{1} << 24);
   for (int64_t i = 0; i < 2 * L * B; ++i) f.push_back(0);  // first positions, quantization marks
   const char magic[8] = {'O', 'L', 'K', 'V', 'C', 'A', 'C', 'H'};
-  const uint32_t version = 2, header = static_cast<uint32_t>(16 + 8 * f.size());
+  const uint32_t version = 3, header = static_cast<uint32_t>(16 + 8 * f.size());
   const std::string path = "kvcache_test_crafted.bin";
   std::FILE* fp = std::fopen(path.c_str(), "wb");
   std::fwrite(magic, 1, 8, fp);

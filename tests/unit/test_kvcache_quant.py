@@ -192,7 +192,7 @@ def test_crafted_header_is_refused_before_allocating(tmp_path):
     L, B = 4096, 65536
     wrapped = (16 + 8 * (12 + L + B + 2 * L * B)) & 0xFFFFFFFF  # what a 32-bit size computation gives
     fields = [L, B, 1, 16, 16, 64, 0, 32, 0, 1, 0, 0]
-    data = b"OLKVCACH" + struct.pack("<II", 2, wrapped) + struct.pack("<12q", *fields) + bytes(8 * (L + B))
+    data = b"OLKVCACH" + struct.pack("<II", 3, wrapped) + struct.pack("<12q", *fields) + bytes(8 * (L + B))
     path = tmp_path / "bomb.olkv"
     path.write_bytes(data)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

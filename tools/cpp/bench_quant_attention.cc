@@ -105,7 +105,7 @@ int main(int argc, char** argv) {
         vss[r] = m / 127.0f;
         for (int64_t d = 0; d < D; ++d) {
           kq[r * D + d] = code(k[static_cast<size_t>(r * D + d)], kss[d]);
-          vq[r * D + d] = code(v[static_cast<size_t>(r * D + d)], vss[r]);
+          vq[int8_value_index(D, r, d)] = code(v[static_cast<size_t>(r * D + d)], vss[r]);
         }
       }
       nl[static_cast<size_t>(u)].push_back(KVBlock{np, np + npage / 2, b * P, n});
