@@ -122,18 +122,18 @@ class KVCache(NativeHandle):
             Positions stay absolute.
         rollback_tokens: int >= 0, how many positions beyond the window a
             sliding-window layer keeps so :meth:`truncate` can go back that far.
-        kv_quant: None (every page in ``dtype``) or ``"int8"``: pages whose
-            positions all lie before ``seq_len - recent_tokens`` (and at or after
-            ``sink_tokens``) are quantized once, when a step commits, to int8
-            with scales computed from the page's own rows (no calibration): K
-            per (page, channel), V per (page, token), symmetric (docs/API.md,
-            "Quantized pages"). Attention dequantizes inside its tile loads;
-            :meth:`export` and ``CacheExport`` return dequantized values.
-            Measured: quality indistinguishable from the native cache on
-            SmolLM2-135M (perplexity +0.017%), memory ~0.35x (float32) /
-            ~0.5x (float16); decode is not faster yet (0.8-0.9x the native
-            time for MHA fp16 on Zen 4, short of the 1.7x target:
-            BENCHMARKS.md). ``"int4"`` is not implemented.
+        kv_quant: None (every page in ``dtype``), ``"int8"`` or ``"int4"``: pages
+            whose positions all lie before ``seq_len - recent_tokens`` (and at or
+            after ``sink_tokens``) are quantized once, when a step commits, with
+            scales computed from the page's own rows (no calibration): int8
+            symmetric, K per (page, channel), V per (page, token); int4
+            asymmetric (a minimum and a step), K per (page, channel), V per
+            (page, token); int4 needs ``head_dim`` and ``v_head_dim`` multiples of
+            32 (docs/API.md, "Quantized pages"). Attention reads the codes inside
+            its tile loads (16-bit fixed point); :meth:`export` and
+            ``CacheExport`` return dequantized values. Measured quality and speed:
+            BENCHMARKS.md "Quantized KV pages" (int8 on SmolLM2-135M: perplexity
+            +0.017%, greedy tokens identical).
         recent_tokens: int >= 0, newest positions kept in ``dtype`` (default
             128; the partly filled last page is always native).
         sink_tokens: int >= 0, first positions kept in ``dtype`` (attention
@@ -209,8 +209,8 @@ class KVCache(NativeHandle):
         page_tokens = as_int(page_tokens, where, "page_tokens")
         windows = _windows(sliding_window, num_layers, where)
         rollback_tokens = as_int(rollback_tokens, where, "rollback_tokens")
-        if kv_quant not in (None, "int8"):
-            raise ValueError(f"{where}: kv_quant must be None or 'int8', got {kv_quant!r}")
+        if kv_quant not in (None, "int8", "int4"):
+            raise ValueError(f"{where}: kv_quant must be None, 'int8' or 'int4', got {kv_quant!r}")
         recent_tokens = as_int(recent_tokens, where, "recent_tokens")
         sink_tokens = as_int(sink_tokens, where, "sink_tokens")
         h = _core.create(
@@ -492,7 +492,7 @@ class KVCache(NativeHandle):
 
     @property
     def kv_quant(self) -> Optional[str]:
-        """Cold-page quantization: None or ``"int8"`` (read-only)."""
+        """Cold-page quantization: None, ``"int8"`` or ``"int4"`` (read-only)."""
         q = self._geom("kv_quant")
         return None if q == "none" else str(q)
 
@@ -542,8 +542,8 @@ class KVCache(NativeHandle):
         bytes of already-cached rows copied (copy-on-write of a shared page's
         valid rows; export); fork, reorder, checkpoint and a decode step into a
         private page add 0. ``num_appends``: committed steps.
-        ``quantized_bytes``: int8 K/V bytes of its quantized pages,
-        ``scale_bytes``: their scales, ``native_bytes``: its pages in the cache
+        ``quantized_bytes``: K/V code bytes of its quantized pages,
+        ``scale_bytes``: their scales (and int4 minimums), ``native_bytes``: its pages in the cache
         dtype (``kv_quant``; committed = native + quantized + scales + padding).
         """
         return dict(_core.stats(self._live("KVCache.stats")))

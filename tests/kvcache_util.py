@@ -176,6 +176,9 @@ class RefCache:
         # dequantized ones) once it lies wholly in [sink_tokens rounded up to pages, len - recent).
         self.kv_quant, self.recent, self.sink = kv_quant, int(recent_tokens), int(sink_tokens)
         self.qnext = [[0] * batch_size for _ in range(num_layers)]
+        # qmeta[l][b][(h, blk)]: the codec's K codes and scales (int4: and minimums) of a quantized
+        # block, for the kernels' fixed-point scores (reference.ref_attn int8_pages)
+        self.qmeta = [[{} for _ in range(batch_size)] for _ in range(num_layers)]
         # Sliding-window eviction (docs/API.md): per layer window (0 = none); first[l][b] is the
         # first position layer l of sequence b still holds.
         self.windows = [int(w or 0) for w in windows] if windows else [0] * num_layers
@@ -218,10 +221,10 @@ class RefCache:
         return K, V
 
     def quantize(self):
-        """After a commit (and the eviction): int8 cold pages, as the cache does."""
+        """After a commit (and the eviction): quantized cold pages, as the cache does."""
         if self.kv_quant is None:
             return
-        from reference import quantize_page_int8
+        from reference import quantize_page
 
         P = self.P
         for l in range(self.L):
@@ -234,8 +237,9 @@ class RefCache:
                     for h in range(self.H):
                         k, v = self.k[l][b][h, sl], self.v[l][b][h, sl]
                         if np.all(np.isfinite(k)) and np.all(np.isfinite(v)):
-                            dk, dv = quantize_page_int8(k, v)
+                            dk, dv, *meta = quantize_page(self.kv_quant, k, v, codes=True)
                             self.k[l][b][h, sl], self.v[l][b][h, sl] = dk.astype(self.dtype), dv.astype(self.dtype)
+                            self.qmeta[l][b][(h, blk)] = meta
                 self.qnext[l][b] = max(self.qnext[l][b], end)
 
     def evict(self):
@@ -268,6 +272,9 @@ class RefCache:
                 if lengths[b] == 0:
                     self.first[l][b] = 0
                 self.qnext[l][b] = min(self.qnext[l][b], int(lengths[b]) // self.P)
+                # the page a cut falls into becomes native again (its kept rows dequantized)
+                self.qmeta[l][b] = {hb: m for hb, m in self.qmeta[l][b].items()
+                                    if (hb[1] + 1) * self.P <= int(lengths[b])}
 
     def reorder(self, idx):
         for l in range(self.L):
@@ -275,6 +282,7 @@ class RefCache:
             self.v[l] = [self.v[l][i].copy() for i in idx]
             self.first[l] = [self.first[l][i] for i in idx]
             self.qnext[l] = [self.qnext[l][i] for i in idx]
+            self.qmeta[l] = [dict(self.qmeta[l][i]) for i in idx]
         self.B = len(idx)
 
     def reset(self):
@@ -298,8 +306,9 @@ class RefCache:
                 pk = self.k[l][b][None]
                 pv = self.v[l][b][None]
                 w = self.windows[l] or None
+                pages = [(0, h, blk * self.P, *meta) for (h, blk), meta in sorted(self.qmeta[l][b].items())]
                 y[b, :, :m] = _shared_ref_attn(q[b:b + 1, :, :m], k[b:b + 1, :, :m], v[b:b + 1, :, :m],
-                                               pk, pv, scale=scale, causal=True, window=w)[0]
+                                               pk, pv, scale=scale, causal=True, window=w, int8_pages=pages)[0]
             ys.append(y)
         for l, (q, k, v) in enumerate(qkv):
             B, _, S, _ = q.shape

@@ -74,20 +74,21 @@ def int8_query(qs, ks):
     return q16, sq
 
 
-def int8_pv_atol(isa, v):
-    """The SIMD levels' extra error on int8 pages (docs/API.md, "Quantized pages"): their P.V
-    weights are 16-bit fixed point per tile, each within 2^-16 of the tile's largest, so
-    |error| <= 2^-16 max |V| beyond the float32 kernels'. The scalar level computes P.V in
-    float32 (0)."""
-    return 0.0 if isa == "scalar" else float(np.abs(np.asarray(v, np.float64)).max(initial=0.0)) / 65536.0
+def int8_pv_atol(isa, v, mode="int8"):
+    """The SIMD levels' extra error on quantized pages (docs/API.md, "Quantized pages"): their
+    P.V weights are 16-bit fixed point per tile, each within 2^-16 of the tile's largest, so
+    |error| <= 2^-16 max |code * step| beyond the float32 kernels': max |V| for int8 (symmetric),
+    2 max |V| for int4 (its codes span max - min). The scalar level computes P.V in float32 (0)."""
+    span = 2.0 if mode == "int4" else 1.0
+    return 0.0 if isa == "scalar" else span * float(np.abs(np.asarray(v, np.float64)).max(initial=0.0)) / 65536.0
 
 
 def ref_attn(q, k_new, v_new, past_k=None, past_v=None, *, scale=None, causal=True,
              q_offset=None, window=None, softcap=0.0, add_mask=None, key_valid=None, int8_pages=()):
-    """fp64 attention (the rules above). int8_pages: (b, kv_head, start, codes [P, D] int8,
-    ks [D] float32) per int8 page among the keys: those keys score as the kernels compute them
-    (int8_query: q in 16-bit fixed point, exact integer sums), the rest as q . k; K/V hold the
-    dequantized values."""
+    """fp64 attention (the rules above). int8_pages: (b, kv_head, start, codes [P, D], ks [D]
+    float32[, kmin [D]]) per quantized page among the keys (int8; int4 with its K minimums):
+    those keys score as the kernels compute them (int8_query: q in 16-bit fixed point, exact
+    integer sums, plus q . kmin for int4), the rest as q . k; K/V hold the dequantized values."""
     f = np.float64
     q32 = q.astype(np.float32)
     q, k_new, v_new = q.astype(f), k_new.astype(f), v_new.astype(f)
@@ -100,9 +101,11 @@ def ref_attn(q, k_new, v_new, past_k=None, past_v=None, *, scale=None, causal=Tr
     if int8_pages:
         sc32 = np.float32(1) / np.sqrt(np.float32(D)) if scale is None else np.float32(scale)
         qs = q32 if softcap and softcap > 0 else (q32 * sc32).astype(np.float32)
-        for b, h, start, codes, ks in int8_pages:
+        for b, h, start, codes, ks, *kmin in int8_pages:
             q16, sq = int8_query(qs[b, h * g:(h + 1) * g], ks)             # [g, S, D], [g, S]
             fixed = (q16.astype(f) @ np.asarray(codes, f).T) * sq[..., None].astype(f)
+            if kmin:
+                fixed = fixed + (qs[b, h * g:(h + 1) * g].astype(f) @ np.asarray(kmin[0], f))[..., None]
             if softcap and softcap > 0:
                 fixed = fixed * float(sc32)
             s[b, h * g:(h + 1) * g, :, start:start + len(codes)] = fixed
@@ -185,3 +188,29 @@ def quantize_page_int8(k, v, codes=False):
         vq = np.where(vs[:, None] > 0, np.clip(np.rint(v / vs[:, None]), -127, 127), 0).astype(np.int8)
     dk, dv = kq.astype(np.float32) * ks, vq.astype(np.float32) * vs[:, None]
     return (dk, dv, kq, ks) if codes else (dk, dv)
+
+
+def quantize_page_int4(k, v, codes=False):
+    """The KVCache int4 codec on one page (docs/API.md, "Quantized pages"): asymmetric, K per
+    channel (min over the page's rows, step (max - min) / 15), V per token likewise, codes
+    round_half_even((x - min) / step) clamped to [0, 15], float32 as the cache computes them.
+    Returns the dequantized float32 (k, v) = min + code * step (a multiply, then an add), and
+    with ``codes`` also the K codes [P, D] and the K steps and minimums [D]."""
+    f32 = np.float32
+    k = np.asarray(k).astype(f32)
+    v = np.asarray(v).astype(f32)
+    kmin, vmin = k.min(axis=0), v.min(axis=1)
+    ks = ((k.max(axis=0) - kmin) / f32(15)).astype(f32)
+    vs = ((v.max(axis=1) - vmin) / f32(15)).astype(f32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        kq = np.where(ks > 0, np.clip(np.rint(((k - kmin) / ks).astype(f32)), 0, 15), 0).astype(np.int64)
+        vq = np.where(vs[:, None] > 0, np.clip(np.rint(((v - vmin[:, None]) / vs[:, None]).astype(f32)), 0, 15),
+                      0).astype(np.int64)
+    dk = (kmin + (kq.astype(f32) * ks).astype(f32)).astype(f32)
+    dv = (vmin[:, None] + (vq.astype(f32) * vs[:, None]).astype(f32)).astype(f32)
+    return (dk, dv, kq, ks, kmin) if codes else (dk, dv)
+
+
+def quantize_page(mode, k, v, codes=False):
+    """quantize_page_int8 or quantize_page_int4 by kv_quant mode."""
+    return (quantize_page_int8 if mode == "int8" else quantize_page_int4)(k, v, codes=codes)

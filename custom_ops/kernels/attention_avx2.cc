@@ -106,6 +106,11 @@ struct Avx2 {
   static vf widen_i8(const int8_t* p) {
     return cf(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   }
+  static vf widen_u8(const uint8_t* p) {
+    return cf(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  static vf low_nibbles(vf x) { return cf(_mm256_and_si256(ci(x), _mm256_set1_epi16(15))); }
+  static vf high_nibbles(vf x) { return cf(_mm256_srli_epi16(ci(x), 4)); }
   static vf dot_i16(vf acc, vf a, vf b) { return cf(_mm256_add_epi32(ci(acc), _mm256_madd_epi16(ci(a), ci(b)))); }
   static vf add_i32(vf a, vf b) { return cf(_mm256_add_epi32(ci(a), ci(b))); }
   static vf cvt_i32(vf a) { return _mm256_cvtepi32_ps(ci(a)); }

@@ -74,7 +74,8 @@ int64_t scratch_floats(const AttentionGroup& a) {
   // Plus the row path's scores of one chunk of 1024 keys (simd::kChunkKeys) for one row.
   const int64_t Rp = R + 16;
   // Plus q times an int8 block's K scales, [R, head_dim] (row path on int8 codes).
-  return Rp * (2 * a.head_dim + 32 + 3) + 32 * (a.head_dim + a.v_head_dim) + a.head_dim + a.v_head_dim + 64 + 1024;
+  // Plus, for int4 blocks, a score term and a P.V term per row (row path) or per padded row (lanes).
+  return Rp * (2 * a.head_dim + 32 + 5) + 32 * (a.head_dim + a.v_head_dim) + a.head_dim + a.v_head_dim + 64 + 1024;
 }
 
 const char* isa_name(Isa isa) {

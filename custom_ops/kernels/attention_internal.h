@@ -68,19 +68,21 @@ inline void visible_union(const AttentionGroup& a, int64_t* lo, int64_t* hi) {
   }
 }
 
-/// Whether int8 blocks are attended in 16-bit fixed point (int8_query), or, when not, by
-/// dequantized float K (every level decides the same way, over every int8 block of the call):
-/// max |q| times the largest K scale stays well inside float32 (q is read in its storage type;
-/// scales are >= 0; a NaN max compares false). A code 0 times an infinite q * scale would be NaN
-/// where code * scale is 0.
+/// Whether quantized (int8, int4) blocks are attended in 16-bit fixed point (int8_query), or,
+/// when not, by dequantized float K (every level decides the same way, over every quantized
+/// block of the call): max |q| times the largest K scale (and int4 |minimum|) stays well inside
+/// float32 (q is read in its storage type; scales are >= 0; a NaN max compares false). A code 0
+/// times an infinite q * scale would be NaN where code * scale is 0.
 inline bool int8_fixed_point(const AttentionGroup& a) {
   float ks = 0.0f;
   bool any = false;
   for (int64_t b = 0; b < a.num_blocks; ++b) {
     const KVBlock& kb = a.blocks[b];
-    if (kb.encoding != KVEncoding::kInt8) continue;
+    if (kb.encoding == KVEncoding::kNative) continue;
     any = true;
     for (int64_t d = 0; d < a.head_dim; ++d) ks = std::max(ks, kb.key_scale[d]);
+    if (kb.encoding == KVEncoding::kInt4)
+      for (int64_t d = 0; d < a.head_dim; ++d) ks = std::max(ks, std::fabs(kb.key_min[d]));
   }
   if (!any) return false;
   float qm = 0.0f;
@@ -113,6 +115,13 @@ inline float int8_query(const float* qs, const float* key_scale, int64_t D, int1
   const float f = pre * inv;
   for (int64_t d = 0; d < D; ++d) q16[d] = static_cast<int16_t>(std::nearbyint((qs[d] * key_scale[d]) * f));
   return m / qmax / pre;
+}
+
+/// int4 pages: the part of a score the K minimums give, sum_d qs[d] * key_min[d] (float32).
+inline float int4_bias(const float* qs, const float* key_min, int64_t D) {
+  float b = 0.0f;
+  for (int64_t d = 0; d < D; ++d) b += qs[d] * key_min[d];
+  return b;
 }
 
 }  // namespace detail

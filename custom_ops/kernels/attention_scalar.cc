@@ -25,6 +25,7 @@ void attend_range_scalar(const AttentionGroup& a, int64_t key_begin, int64_t key
   const bool fixed = int8_fixed_point(a);
   int16_t* q16 = reinterpret_cast<int16_t*>(vf + Dv);
   float* sq = reinterpret_cast<float*>(q16 + G * S * D);
+  float* qbias = sq + G * S;  // int4: sum_d q[d] * scale * key_min[d] per row
   int64_t q16_blk = -1;
   const float lowest = lowest_of(a.mask.dtype);
   const int64_t es = static_cast<int64_t>(dtype_size(a.dtype));
@@ -33,7 +34,8 @@ void attend_range_scalar(const AttentionGroup& a, int64_t key_begin, int64_t key
     const KVBlock& kb = a.blocks[blk];
     const int64_t first = std::max(key_begin, kb.first_position);
     const int64_t last = std::min(key_end, kb.first_position + kb.num_rows);
-    const bool codes = fixed && kb.encoding == KVEncoding::kInt8;
+    const bool codes = fixed && kb.encoding != KVEncoding::kNative;
+    const bool int4 = kb.encoding == KVEncoding::kInt4;
     if (codes && first < last && q16_blk != blk) {
       for (int64_t h = 0; h < G; ++h)
         for (int64_t i = 0; i < valid; ++i) {
@@ -41,6 +43,7 @@ void attend_range_scalar(const AttentionGroup& a, int64_t key_begin, int64_t key
           float* x = kf;  // q * scale (or q with softcap), as the SIMD levels scale it
           for (int64_t d = 0; d < D; ++d) x[d] = qf[r * D + d] * (a.softcap > 0.0f ? 1.0f : a.scale);
           sq[r] = int8_query(x, kb.key_scale, D, q16 + r * D);
+          qbias[r] = int4 ? int4_bias(x, kb.key_min, D) : 0.0f;
         }
       q16_blk = blk;
     }
@@ -52,7 +55,16 @@ void attend_range_scalar(const AttentionGroup& a, int64_t key_begin, int64_t key
         visible_range(a, i, &lo, &hi);
         if (j < lo || j >= hi) continue;
         if (!loaded) {
-          if (kb.encoding == KVEncoding::kInt8) {
+          if (int4) {
+            const int64_t pr = kb.page_row + row;
+            for (int64_t d = 0; d < D; ++d)
+              kf[d] = kb.key_min[d] + static_cast<float>(int4_key_code(kb.key, D, pr, d)) *
+                                          kb.key_scale[d];
+            for (int64_t d = 0; d < Dv; ++d)
+              vf[d] = kb.value_min[pr] +
+                      static_cast<float>(int4_value_code(kb.value, Dv, pr, d)) *
+                          kb.value_scale[pr];
+          } else if (kb.encoding == KVEncoding::kInt8) {
             const int64_t pr = kb.page_row + row;
             const int8_t* k8 = static_cast<const int8_t*>(kb.key) + pr * D;
             const int8_t* v8 = static_cast<const int8_t*>(kb.value);
@@ -70,11 +82,17 @@ void attend_range_scalar(const AttentionGroup& a, int64_t key_begin, int64_t key
           const int64_t r = h * S + i;
           float s = 0.0f;
           if (codes) {  // exact int32 sum of q16 x codes, times sq (scale included unless softcap)
-            const int8_t* k8 = static_cast<const int8_t*>(kb.key) + (kb.page_row + row) * D;
+            const int64_t pr = kb.page_row + row;
             const int16_t* qq = q16 + r * D;
             int64_t sum = 0;
-            for (int64_t d = 0; d < D; ++d) sum += static_cast<int64_t>(qq[d]) * k8[d];
-            s = sq[r] * static_cast<float>(sum);
+            if (int4) {
+              for (int64_t d = 0; d < D; ++d)
+                sum += static_cast<int64_t>(qq[d]) * int4_key_code(kb.key, D, pr, d);
+            } else {
+              const int8_t* k8 = static_cast<const int8_t*>(kb.key) + pr * D;
+              for (int64_t d = 0; d < D; ++d) sum += static_cast<int64_t>(qq[d]) * k8[d];
+            }
+            s = sq[r] * static_cast<float>(sum) + qbias[r];
             if (a.softcap > 0.0f) s *= a.scale;
           } else {
             const float* q = qf + r * D;

@@ -62,8 +62,12 @@ void attend_run(const AttentionGroup& a, int64_t key_begin, int64_t key_end, Att
     // Few rows read the codes directly (exact int32 sums, simd_rows.h); many rows, or a head_dim
     // the int16 vectors do not divide, convert each tile to float once (simd_common.h) and take
     // the same fixed-point q as float.
+    // int4 likewise (simd_quant4.h), head_dim a multiple of 4 W there.
     const bool fixed = detail::int8_fixed_point(a);
-    if (fixed && group_rows < kConvertTileRows && group_rows <= kCodesMaxRows && a.head_dim % (2 * V::W) == 0)
+    const bool rows_ok = fixed && group_rows < kConvertTileRows && group_rows <= kCodesMaxRows;
+    if (enc == KVEncoding::kInt4 && rows_ok && a.head_dim % (4 * V::W) == 0)
+      attend_impl<V, LoadI4<V>, false>(a, key_begin, key_end, st, scratch, enc);
+    else if (enc == KVEncoding::kInt8 && rows_ok && a.head_dim % (2 * V::W) == 0)
       attend_impl<V, LoadI8<V>, false>(a, key_begin, key_end, st, scratch, enc);
     else attend_impl<V, LoadF32<V>, true>(a, key_begin, key_end, st, scratch, enc, fixed);
     return;

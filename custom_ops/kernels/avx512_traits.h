@@ -89,6 +89,12 @@ struct Avx512 {
   static vf widen_i8(const int8_t* p) {
     return cf(_mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
   }
+  // 2 * W bytes zero-extended to 2 * W int16 (int4 codes, two per byte).
+  static vf widen_u8(const uint8_t* p) {
+    return cf(_mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+  }
+  static vf low_nibbles(vf x) { return cf(_mm512_and_si512(ci(x), _mm512_set1_epi16(15))); }
+  static vf high_nibbles(vf x) { return cf(_mm512_srli_epi16(ci(x), 4)); }  // of bytes widened by widen_u8
   // acc.i32[i] + a.i16[2i] * b.i16[2i] + a.i16[2i+1] * b.i16[2i+1] (exact, no saturation)
   static vf dot_i16(vf acc, vf a, vf b) { return cf(_mm512_add_epi32(ci(acc), _mm512_madd_epi16(ci(a), ci(b)))); }
   static vf add_i32(vf a, vf b) { return cf(_mm512_add_epi32(ci(a), ci(b))); }

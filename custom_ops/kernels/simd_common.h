@@ -73,7 +73,15 @@ template <class V, class Cursor>
 inline void convert_k_tile(const AttentionGroup& a, const Cursor& c, int64_t n, int64_t rows, float* dst,
                            bool codes = false) {
   const KVBlock& b = a.blocks[c.blk];
-  if (b.encoding == KVEncoding::kInt8)
+  if (b.encoding == KVEncoding::kInt4) {  // codes, or min + code * scale
+    const int64_t D = a.head_dim, pr0 = b.page_row + (c.j0 - b.first_position);
+    for (int64_t r = 0; r < n; ++r)
+      for (int64_t d = 0; d < D; ++d) {
+        const float code = static_cast<float>(int4_key_code(b.key, D, pr0 + r, d));
+        dst[r * D + d] = codes ? code : b.key_min[d] + code * b.key_scale[d];
+      }
+    if (n < rows) std::memset(dst + n * D, 0, static_cast<size_t>((rows - n) * D) * sizeof(float));
+  } else if (b.encoding == KVEncoding::kInt8)
     dequant_rows_i8<V>(reinterpret_cast<const int8_t*>(c.krows), n, a.head_dim, rows, codes ? nullptr : b.key_scale,
                        nullptr, dst);
   else
@@ -101,7 +109,15 @@ inline void dequant_pairs_i8(const int8_t* pairs, int64_t par, int64_t n, int64_
 template <class V, class Cursor>
 inline void convert_v_tile(const AttentionGroup& a, const Cursor& c, int64_t n, int64_t rows, float* dst) {
   const KVBlock& b = a.blocks[c.blk];
-  if (b.encoding == KVEncoding::kInt8)
+  if (b.encoding == KVEncoding::kInt4) {  // min + code * scale, per row
+    const int64_t Dv = a.v_head_dim, pr0 = b.page_row + (c.j0 - b.first_position);
+    for (int64_t r = 0; r < n; ++r)
+      for (int64_t d = 0; d < Dv; ++d) {
+        const float code = static_cast<float>(int4_value_code(b.value, Dv, pr0 + r, d));
+        dst[r * Dv + d] = b.value_min[pr0 + r] + code * b.value_scale[pr0 + r];
+      }
+    if (n < rows) std::memset(dst + n * Dv, 0, static_cast<size_t>((rows - n) * Dv) * sizeof(float));
+  } else if (b.encoding == KVEncoding::kInt8)
     dequant_pairs_i8<V>(reinterpret_cast<const int8_t*>(c.vrows), c.vpar, n, a.v_head_dim, rows,
                         b.value_scale + b.page_row + (c.j0 - b.first_position), dst);
   else
@@ -109,7 +125,8 @@ inline void convert_v_tile(const AttentionGroup& a, const Cursor& c, int64_t n, 
 }
 
 // Bytes of one stored element of a run of blocks in `enc` (the tile cursor's row addressing).
-inline size_t stored_elem_bytes(DType t, KVEncoding enc) { return enc == KVEncoding::kInt8 ? 1 : dtype_size(t); }
+// (int4: 1, its rows are addressed by TileCursor::rows_of; prefetch then over-reads 2x.)
+inline size_t stored_elem_bytes(DType t, KVEncoding enc) { return enc != KVEncoding::kNative ? 1 : dtype_size(t); }
 
 // How the inner loops read K/V rows of a storage type (converted to float on load).
 template <class V>
@@ -127,6 +144,11 @@ struct LoadF16 {
 template <class V>
 struct LoadI8 {
   using elem = int8_t;
+};
+// int4 codes (KVEncoding::kInt4), two per byte, read as codes likewise (simd_quant4.h).
+template <class V>
+struct LoadI4 {
+  using elem = uint8_t;
 };
 template <class V>
 struct LoadBF16 {

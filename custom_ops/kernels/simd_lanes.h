@@ -43,6 +43,7 @@ void attend_lanes(const AttentionGroup& a, int64_t key_begin, int64_t key_end, A
   float* lloc = mloc + Rp;         // [Rp] running sum, lanes
   float* corr = lloc + Rp;         // [Rp] this tile's rescale factor
   float* qt8 = corr + Rp;          // [D, Rp] int8 blocks, fixed: sq * q16 per row (int8_query)
+  float* lbias = qt8 + D * Rp;     // [Rp] int4 blocks, fixed: the K minimums' part of each score
 
   const bool capped = a.softcap > 0.0f;
   const float qscale = capped ? 1.0f : a.scale;
@@ -53,7 +54,10 @@ void attend_lanes(const AttentionGroup& a, int64_t key_begin, int64_t key_end, A
   const bool dot = kDotLevel && enc == KVEncoding::kNative && a.dtype == DType::kBFloat16 && D % 2 == 0;
   uint32_t* qt2 = reinterpret_cast<uint32_t*>(qt);  // [D / 2, Rp] when dot
   std::fill(qt, qt + D * Rp, 0.0f);
-  if (fixed) std::fill(qt8, qt8 + D * Rp, 0.0f);
+  if (fixed) {
+    std::fill(qt8, qt8 + D * Rp, 0.0f);
+    std::fill(lbias, lbias + Rp, 0.0f);
+  }
   for (int64_t h = 0; h < G; ++h)
     for (int64_t i = 0; i < valid; ++i) {
       const int64_t r = h * S + i, off = h * a.q_head_stride + i * a.q_row_stride;
@@ -108,6 +112,7 @@ void attend_lanes(const AttentionGroup& a, int64_t key_begin, int64_t key_end, A
         for (int64_t d = 0; d < D; ++d) row[d] = qt[d * Rp + r];
         const float sq = detail::int8_query(row, ks, D, t);
         for (int64_t d = 0; d < D; ++d) qt8[d * Rp + r] = sq * static_cast<float>(t[d]);
+        lbias[r] = enc == KVEncoding::kInt4 ? detail::int4_bias(row, a.blocks[tc.blk].key_min, D) : 0.0f;
       }
       scaled_blk = tc.blk;
     }
@@ -199,6 +204,11 @@ void attend_lanes(const AttentionGroup& a, int64_t key_begin, int64_t key_end, A
           const vf qv = V::load(qc + d * Rp);
 #pragma GCC unroll 8
           for (int u = 0; u < KB; ++u) acc[u] = V::fma(qv, V::set1(kr[u * D + d]), acc[u]);
+        }
+        if (fixed && enc == KVEncoding::kInt4) {
+          const vf lb = V::load(lbias + rb);
+#pragma GCC unroll 8
+          for (int u = 0; u < KB; ++u) acc[u] = V::add(acc[u], lb);
         }
 #pragma GCC unroll 8
         for (int u = 0; u < KB; ++u) V::store(ptile + (k0 + u) * Rp + rb, acc[u]);

@@ -3,6 +3,7 @@
 #pragma once
 
 #include "kernels/simd_pv.h"
+#include "kernels/simd_quant4.h"
 
 namespace olep {
 namespace kernels {
@@ -94,10 +95,17 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
   // block's K scales (q . (code * scale) = (q * scale) . code) rounded to int16 relative to its
   // largest element (q16, qsc = its scale: relative error <= 2^-16 of max |q * scale|), scores
   // = qsc * exact int32 sums of q16 x codes (I16Dot); P.V by pv_rows_i16 (simd_pv.h).
-  constexpr bool kCodes = std::is_same<L, LoadI8<V>>::value && !kTiles;
+  // int4 codes likewise (L = LoadI4, simd_quant4.h): q16 permuted to the unpacked K order, plus
+  // a per-row score term from the K minimums (qbias) and a per-row P.V term from the V minimums
+  // (vbias).
+  constexpr bool kCodes4 = std::is_same<L, LoadI4<V>>::value && !kTiles;
+  constexpr bool kCodes = (std::is_same<L, LoadI8<V>>::value || kCodes4) && !kTiles;
   float* qs = pchunk + (kChunkKeys > R * W ? kChunkKeys : R * W);  // [R, D] kTiles + fixed: sq * q16 as float
   int16_t* q16 = reinterpret_cast<int16_t*>(qs);                   // [R, D] kCodes
   float* qsc = reinterpret_cast<float*>(q16 + R * D);              // [R] kCodes
+  float* qbias = qs + R * D;                                       // [R] int4: sum_d q * scale * key_min
+  float* vbias = qbias + R;                                        // [R] int4 kCodes: this tile's sum p * value_min
+  const bool int4 = enc == KVEncoding::kInt4;
   int16_t* pw = reinterpret_cast<int16_t*>(vtile);  // [R, 2 * W + 2] P.V weights, kCodes (no V tile then)
 
   const bool capped = a.softcap > 0.0f;
@@ -183,7 +191,20 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
       // prefetch measured slower there.
       pf.reset(nullptr, 0, nullptr, 0, 1);
       if (row_count >= 2) pf.reset_next(kc, D * es, Dv * es, tile_steps);
-      if constexpr (kCodes) {
+      if constexpr (kCodes4) {
+        if (kc.blk != scaled_blk) {
+          const KVBlock& kb = a.blocks[kc.blk];
+          int16_t* t = reinterpret_cast<int16_t*>(ktile);  // free until the tile's K copy
+          for (int64_t h = 0; h < G; ++h)
+            for (int64_t i = 0; i < valid; ++i) {
+              const int64_t r = h * S + i;
+              qsc[r] = detail::int8_query(qf + r * D, kb.key_scale, D, t);
+              int4_permute_q<W>(t, D, q16 + r * D);
+              qbias[r] = detail::int4_bias(qf + r * D, kb.key_min, D);
+            }
+          scaled_blk = kc.blk;
+        }
+      } else if constexpr (kCodes) {
         if (kc.blk != scaled_blk) {
           const float* ks = a.blocks[kc.blk].key_scale;
           // int32 sums of D products of |q16| <= qmax and |code| <= 127 stay below 2^31
@@ -216,6 +237,7 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
             const int64_t r = h * S + i;
             const float sq = detail::int8_query(qf + r * D, ks, D, t);
             for (int64_t d = 0; d < D; ++d) qs[r * D + d] = sq * static_cast<float>(t[d]);
+            qbias[r] = int4 ? detail::int4_bias(qf + r * D, a.blocks[kc.blk].key_min, D) : 0.0f;
           }
         scaled_blk = kc.blk;
         qk = qs;
@@ -228,10 +250,11 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
         if (n == W) {
           kp = reinterpret_cast<const KE*>(krows);
         } else {  // partial tile: K rows n..W-1 must not be read; pad with zeros
-          KE* raw = reinterpret_cast<KE*>(ktile);
-          std::memcpy(raw, krows, static_cast<size_t>(n * D) * sizeof(KE));
-          std::memset(raw + n * D, 0, static_cast<size_t>((W - n) * D) * sizeof(KE));
-          kp = raw;
+          const size_t rb = kCodes4 ? static_cast<size_t>(D / 2) : static_cast<size_t>(D) * sizeof(KE);
+          char* raw = reinterpret_cast<char*>(ktile);
+          std::memcpy(raw, krows, static_cast<size_t>(n) * rb);
+          std::memset(raw + n * rb, 0, static_cast<size_t>(W - n) * rb);
+          kp = reinterpret_cast<const KE*>(raw);
         }
       }
 
@@ -250,7 +273,11 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
               return;
             }
           }
-          if constexpr (kCodes) {
+          if constexpr (kCodes4) {
+            if (cnt == 4) scores_i4_rows<V, 4>(q16, D, kp, rows, ptile, &pf);
+            else if (cnt >= 2) scores_i4_rows<V, 2>(q16, D, kp, rows, ptile, &pf);
+            else scores_i4_walk<V>(q16 + rows[0] * D, D, kp, ptile + rows[0] * W, &pf);
+          } else if constexpr (kCodes) {
             using Dot = I16Dot<V>;
             if (cnt == 4) scores_rows<V, Dot, 4>(q16, D, kp, rows, ptile, &pf);
             else if (cnt >= 2) scores_rows<V, Dot, 2>(q16, D, kp, rows, ptile, &pf);
@@ -293,18 +320,20 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
         vp = reinterpret_cast<const KE*>(vc.vrows);  // only rows < n are read
       }
 
-      // kCodes: the V scales of this tile's keys, folded into the probabilities below
-      vf vscale = V::zero();
+      // kCodes: the V scales of this tile's keys, folded into the probabilities below (and
+      // int4: their minimums, vbias)
+      vf vscale = V::zero(), vminv = V::zero();
       if constexpr (kCodes) {
         const KVBlock& vb = a.blocks[vc.blk];
-        const float* vs = vb.value_scale + vb.page_row + (j0 - vb.first_position);
-        if (n == W) {
-          vscale = V::load(vs);
-        } else {  // the last tile of a block: scales past its rows must not be read
-          alignas(64) float part[W] = {};
-          for (int64_t t = 0; t < n; ++t) part[t] = vs[t];
-          vscale = V::load(part);
-        }
+        const int64_t at = vb.page_row + (j0 - vb.first_position);
+        auto tile_of = [&](const float* x) {
+          if (n == W) return V::load(x + at);
+          alignas(64) float part[W] = {};  // the last tile of a block: rows past it must not be read
+          for (int64_t t = 0; t < n; ++t) part[t] = x[at + t];
+          return V::load(part);
+        };
+        vscale = tile_of(vb.value_scale);
+        if constexpr (kCodes4) vminv = tile_of(vb.value_min);
       }
 
       // ---- online softmax, row by row ----
@@ -319,6 +348,7 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
           const int64_t r = h * S + i;
           float* prow = ptile + r * W;
           unsigned live = range;
+          if constexpr (kCodes4) vbias[r] = 0.0f;
           vf bias = V::zero();
           if (live && mk.kind != MaskKind::kNone) {
             const int64_t mo = h * mk.head_stride + i * mk.row_stride + j0 * mk.key_stride;
@@ -350,6 +380,7 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
           vf s = V::load(prow);
           if (dot && !capped) s = V::mul(s, V::set1(a.scale));  // dot scores are unscaled
           if constexpr (kCodes) s = V::mul(s, V::set1(qsc[r]));  // fixed-point sums
+          if (int4 && (kCodes || fixed)) s = V::add(s, V::set1(qbias[r]));  // the K minimums' part
           if (capped) {
             const vf x = V::mul(s, V::set1(a.scale));
             s = V::mul(V::set1(a.softcap), tanh_v<V>(V::mul(x, V::set1(1.0f / a.softcap))));
@@ -389,6 +420,7 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
           V::store(lsum + r * W, V::add(V::load(lsum + r * W), p));
           corr[r] = c;
           // kCodes: p * scale[key] weights the V codes (an unseen -0 stays -0: scales are >= 0)
+          if constexpr (kCodes4) vbias[r] = V::reduce_add(V::mul(p, vminv));  // unseen -0 adds 0
           if constexpr (kCodes) V::store(prow, V::mul(p, vscale));
           else V::store(prow, p);
           any = true;
@@ -402,7 +434,7 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
         // (a tile starting at an odd page row begins with a zero weight for the row before).
         const int64_t par = vc.vpar, npairs = (par + n + 1) / 2;
         constexpr int64_t kStride = 2 * W + 2;
-        float wscale[kCodesMaxRows], cs[kCodesMaxRows];
+        float wscale[kCodesMaxRows], cs[kCodesMaxRows], vb[kCodesMaxRows];
         float* accp[kCodesMaxRows];
         const int16_t* wp[kCodesMaxRows];
         int nrows = 0;  // rows in (query row, head) order, as the score loops take them
@@ -412,28 +444,27 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
             int16_t* w = pw + nrows * kStride;
             w[0] = w[W] = w[W + 1] = 0;
             const vf p = V::load(ptile + r * W);  // >= 0 or -0 (unseen); lanes >= n are unseen
-            // A power of two (no division) puts the largest weight in [2^14, 2^15): f = 2^(14 - e)
-            // for m in [2^e, 2^(e+1)), exponents clamped to float's normal range (a tile whose
-            // weights are all below 2^-113 keeps less precision: they are < 2^-113 of the row's
-            // largest, p = 1, and vanish in its float32 sum anyway).
-            uint32_t mb;
-            const float m = V::reduce_max(p);
-            std::memcpy(&mb, &m, sizeof(mb));
-            const int32_t e = static_cast<int32_t>(mb >> 23) - 127;  // m >= +0
-            const uint32_t fb = static_cast<uint32_t>(std::min(254, std::max(1, 127 + 14 - e))) << 23;
-            const uint32_t ib = static_cast<uint32_t>(254) * (uint32_t{1} << 23) - fb;  // 1 / f, exactly
-            float f, inv;
-            std::memcpy(&f, &fb, sizeof(f));
-            std::memcpy(&inv, &ib, sizeof(inv));
-            V::round_i16(w + par, V::mul(p, V::set1(f)));
-            wscale[nrows] = inv;
+            // the largest weight maps to 32767 (a tiny max is first scaled by 2^100, exactly)
+            float m = V::reduce_max(p);
+            const float pre = m < 0x1p-100f ? 0x1p100f : 1.0f;
+            m *= pre;
+            V::round_i16(w + par, V::mul(p, V::set1(m > 0.0f ? pre * (32767.0f / m) : 0.0f)));
+            wscale[nrows] = m / 32767.0f / pre;
             cs[nrows] = corr[r];
+            vb[nrows] = kCodes4 ? vbias[r] : 0.0f;
             accp[nrows] = st->acc + r * Dv;
             wp[nrows] = w;
           }
+        int k = 0;
+        if constexpr (kCodes4) {
+          const uint8_t* pairs4 = reinterpret_cast<const uint8_t*>(vc.vrows);
+          for (; k + 2 <= nrows; k += 2)
+            pv_rows_i4<V, 2>(accp + k, wp + k, wscale + k, cs + k, vb + k, pairs4, Dv, npairs, &pf);
+          if (k < nrows) pv_rows_i4<V, 1>(accp + k, wp + k, wscale + k, cs + k, vb + k, pairs4, Dv, npairs, &pf);
+          k = nrows;
+        }
         const int8_t* pairs = reinterpret_cast<const int8_t*>(vc.vrows);
         // 4 rows per V load where the registers allow (16 sums + 4 V vectors), else 2, then 1
-        int k = 0;
         if constexpr (W >= 16)
           for (; k + 4 <= nrows; k += 4)
             pv_rows_i16<V, 4>(accp + k, wp + k, wscale + k, cs + k, pairs, Dv, npairs, &pf);

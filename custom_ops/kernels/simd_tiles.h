@@ -106,6 +106,12 @@ struct TileCursor {
   // j's place in it), by the block's page row (kv_block.h).
   void rows_of(const KVBlock& kb, int64_t j, const char** k, const char** v, int64_t* par) const {
     const int64_t pr = kb.page_row + (j - kb.first_position);
+    if (kb.encoding == KVEncoding::kInt4) {  // two codes per byte (kv_block.h)
+      *k = static_cast<const char*>(kb.key) + static_cast<size_t>(pr * (a.head_dim / 2));
+      *v = static_cast<const char*>(kb.value) + static_cast<size_t>((pr >> 1) * a.v_head_dim);
+      *par = pr & 1;
+      return;
+    }
     *k = static_cast<const char*>(kb.key) + static_cast<size_t>(pr * a.head_dim) * es;
     if (kb.encoding == KVEncoding::kNative) {
       *v = static_cast<const char*>(kb.value) + static_cast<size_t>(pr * a.v_head_dim) * es;

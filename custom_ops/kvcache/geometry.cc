@@ -19,6 +19,7 @@ const char* kv_quant_name(KVQuant q) {
   switch (q) {
     case KVQuant::kNone: return "none";
     case KVQuant::kInt8: return "int8";
+    case KVQuant::kInt4: return "int4";
   }
   return "unknown";
 }
@@ -26,7 +27,8 @@ const char* kv_quant_name(KVQuant q) {
 KVQuant parse_kv_quant(const std::string& s) {
   if (s.empty() || s == "none") return KVQuant::kNone;
   if (s == "int8") return KVQuant::kInt8;
-  throw std::invalid_argument("kv_quant must be None or 'int8'; got '" + s + "'");
+  if (s == "int4") return KVQuant::kInt4;
+  throw std::invalid_argument("kv_quant must be None, 'int8' or 'int4'; got '" + s + "'");
 }
 
 int64_t default_page_tokens(int64_t head_dim, int64_t v_head_dim, DType dtype) {
@@ -60,8 +62,11 @@ void CacheGeometry::validate() const {
       throw std::invalid_argument("sliding_window[" + str(static_cast<int64_t>(l)) + "] must be 0 (none) or in [1, " +
                                   "16777216]; got " + str(sliding_window[l]));
   in_range(rollback_tokens, 0, max_sequence_length, "rollback_tokens");
-  if (kv_quant != KVQuant::kNone && kv_quant != KVQuant::kInt8)
-    throw std::invalid_argument("kv_quant must be none or int8; got " + str(static_cast<int64_t>(kv_quant)));
+  if (kv_quant != KVQuant::kNone && kv_quant != KVQuant::kInt8 && kv_quant != KVQuant::kInt4)
+    throw std::invalid_argument("kv_quant must be none, int8 or int4; got " + str(static_cast<int64_t>(kv_quant)));
+  if (kv_quant == KVQuant::kInt4 && (head_dim % 32 != 0 || v_head_dim % 32 != 0))
+    throw std::invalid_argument("kv_quant='int4' needs head_dim and v_head_dim multiples of 32 (its code layout); got " +
+                                str(head_dim) + " and " + str(v_head_dim));
   in_range(recent_tokens, 0, int64_t{1} << 24, "recent_tokens");
   in_range(sink_tokens, 0, int64_t{1} << 24, "sink_tokens");
 }

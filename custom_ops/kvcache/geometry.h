@@ -28,10 +28,12 @@ constexpr int64_t kDefaultPageTokens = 128;
 constexpr int64_t kPageTokenMultiple = 32;
 
 /// Quantization of cold pages (docs/API.md, "Quantized pages"): kNone keeps every page in the
-/// cache dtype; kInt8 stores pages that left the recent window as int8 with per-page scales.
-enum class KVQuant : int { kNone = 0, kInt8 = 1 };
+/// cache dtype; kInt8 stores pages that left the recent window as int8 with per-page scales,
+/// kInt4 as 4-bit codes with per-page minimums and scales (head_dim and v_head_dim multiples
+/// of 32). The value is the page's KVEncoding.
+enum class KVQuant : int { kNone = 0, kInt8 = 1, kInt4 = 2 };
 const char* kv_quant_name(KVQuant q);
-/// "none" (or ""), "int8"; std::invalid_argument naming the accepted values otherwise.
+/// "none" (or ""), "int8", "int4"; std::invalid_argument naming the accepted values otherwise.
 KVQuant parse_kv_quant(const std::string& s);
 
 /// Shape, limits and policies of a cache. Counts are >= 1 unless noted.
@@ -71,14 +73,17 @@ struct CacheGeometry {
   int64_t page_bytes() const { return page_tokens * (head_dim + v_head_dim) * static_cast<int64_t>(elem_bytes()); }
   /// Offset of the V rows within a page.
   int64_t value_offset() const { return page_tokens * head_dim * static_cast<int64_t>(elem_bytes()); }
-  /// Bytes of one int8 page: K [page_tokens, head_dim] int8, V [page_tokens, v_head_dim] int8,
-  /// K scales float [head_dim], V scales float [page_tokens]; rounded up to 64.
-  int64_t quant_page_bytes() const {
-    const int64_t b = page_tokens * (head_dim + v_head_dim) + 4 * (head_dim + page_tokens);
-    return (b + 63) / 64 * 64;
+  /// Bytes of one quantized page (quantize.h has the layouts): the codes (int8: one byte per
+  /// element, int4: half a byte), then the float32 metadata (int8: K scales [head_dim], V scales
+  /// [page_tokens]; int4: K minimums and scales [head_dim] each, V minimums and scales
+  /// [page_tokens] each); rounded up to 64.
+  int64_t quant_page_bytes() const { return (quant_scale_offset() + quant_meta_bytes() + 63) / 64 * 64; }
+  int64_t quant_value_offset() const { return kv_quant == KVQuant::kInt4 ? page_tokens * head_dim / 2 : page_tokens * head_dim; }
+  int64_t quant_scale_offset() const {
+    const int64_t codes = page_tokens * (head_dim + v_head_dim);
+    return kv_quant == KVQuant::kInt4 ? codes / 2 : codes;
   }
-  int64_t quant_value_offset() const { return page_tokens * head_dim; }
-  int64_t quant_scale_offset() const { return page_tokens * (head_dim + v_head_dim); }
+  int64_t quant_meta_bytes() const { return (kv_quant == KVQuant::kInt4 ? 8 : 4) * (head_dim + page_tokens); }
   /// First block that may be quantized (blocks holding a sink position stay native).
   int64_t first_quant_block() const { return (sink_tokens + page_tokens - 1) / page_tokens; }
   /// K+V bytes of one position over all kv heads of one layer.

@@ -82,11 +82,13 @@ CacheStats KVCache::stats_locked() const {
       }
     }
   for (const auto& kv : rows) {
-    if (kv.first->encoding == static_cast<uint8_t>(KVEncoding::kInt8)) {
-      // int8 rows and their scales (a quantized page is always full)
-      s.live_bytes += kv.second * (g_.head_dim + g_.v_head_dim) + 4 * (g_.head_dim + kv.second);
-      s.quantized_bytes += P * (g_.head_dim + g_.v_head_dim);
-      s.scale_bytes += 4 * (g_.head_dim + P);
+    if (kv.first->encoding != static_cast<uint8_t>(KVEncoding::kNative)) {
+      // codes of the valid rows and the page's metadata (a quantized page is always full)
+      // (metadata: c bytes per channel and per row, c = 4 for int8, 8 for int4)
+      const int64_t c = g_.quant_meta_bytes() / (g_.head_dim + P);
+      s.live_bytes += kv.second * (g_.quant_scale_offset() / P + c) + c * g_.head_dim;
+      s.quantized_bytes += g_.quant_scale_offset();
+      s.scale_bytes += g_.quant_meta_bytes();
     } else {
       s.live_bytes += kv.second * (g_.head_dim + g_.v_head_dim) * static_cast<int64_t>(g_.elem_bytes());
       s.native_bytes += kv.first->bytes;
@@ -224,7 +226,7 @@ void KVCache::truncate_locked(const std::vector<int64_t>& lengths) {
   auto quantized_tail = [&](const PageTable& t, int64_t n, int64_t h) -> Page* {
     if (n % P == 0 || n / P < t.first_block || n / P >= t.end_block(H)) return nullptr;
     Page* pg = t.at(n / P, h, H);
-    return pg->encoding == static_cast<uint8_t>(KVEncoding::kInt8) ? pg : nullptr;
+    return pg->encoding != static_cast<uint8_t>(KVEncoding::kNative) ? pg : nullptr;
   };
   int64_t need = 0;
   for (int64_t b = 0; b < B; ++b) {
@@ -268,7 +270,7 @@ void KVCache::truncate_locked(const std::vector<int64_t>& lengths) {
         Page* q = quantized_tail(t, n, h);
         if (!q) continue;
         Page* nat = natives[next_native++];
-        const KVBlock kb = quant::int8_block(g_, q->data, (n / P) * P, 0, n % P);
+        const KVBlock kb = quant::quant_block(g_, q->data, (n / P) * P, 0, n % P);
         quant::dequantize_block(g_, kb, nat->data, nat->data + g_.value_offset());
         content_.holds.remove(q);
         drop.push_back(q);
@@ -432,7 +434,7 @@ std::vector<int64_t> KVCache::export_layer(int64_t layer, bool include_pending, 
         const size_t row = base + static_cast<size_t>(kb.first_position);
         char* kd = static_cast<char*>(out.first) + row * krow;
         char* vd = static_cast<char*>(out.second) + row * vrow;
-        if (kb.encoding == KVEncoding::kInt8) {
+        if (kb.encoding != KVEncoding::kNative) {
           quant::dequantize_block(g_, kb, kd, vd);  // export returns dequantized values
         } else {
           std::memcpy(kd, kb.key, static_cast<size_t>(kb.num_rows) * krow);

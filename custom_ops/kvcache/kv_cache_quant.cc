@@ -11,9 +11,9 @@ namespace olep {
 void KVCache::quantize_cold_locked() noexcept {
   if (g_.kv_quant == KVQuant::kNone) return;
   const int64_t B = g_.batch_size, H = g_.kv_num_heads, P = g_.page_tokens, R = g_.recent_tokens;
-  const uint8_t kInt8 = static_cast<uint8_t>(KVEncoding::kInt8);
+  const uint8_t enc = static_cast<uint8_t>(g_.kv_quant);  // the KVEncoding of its pages
   // A native page shared by several sequences of this cache (a fork with repeated indices, a
-  // beam reorder) becomes one int8 page they all share; nullptr = left native (not finite).
+  // beam reorder) becomes one quantized page they all share; nullptr = left native (not finite).
   std::unordered_map<const Page*, Page*> done;
   try {
     for (int64_t l = 0; l < g_.num_layers; ++l)
@@ -24,7 +24,7 @@ void KVCache::quantize_cold_locked() noexcept {
         for (int64_t blk = std::max({t.quant_next, t.first_block, g_.first_quant_block()}); blk < end; ++blk) {
           for (int64_t h = 0; h < H; ++h) {
             Page*& slot = t.at(blk, h, H);
-            if (slot->encoding == kInt8) continue;
+            if (slot->encoding == enc) continue;
             Page* q = nullptr;
             auto it = done.find(slot);
             if (it != done.end()) {
@@ -34,8 +34,8 @@ void KVCache::quantize_cold_locked() noexcept {
               std::vector<Page*> one;
               pool_->allocate(g_.quant_page_bytes(), 1, &one);  // MemoryLimitError: stop here
               q = one[0];
-              if (quant::quantize_page_int8(g_, slot->data, q->data)) {
-                q->encoding = kInt8;
+              if (quant::quantize_page(g_, slot->data, q->data)) {
+                q->encoding = enc;
               } else {
                 pool_->release(one);
                 q = nullptr;

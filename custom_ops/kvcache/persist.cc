@@ -7,15 +7,15 @@
 //   u32           header size in bytes (from the start of the file)
 //   i64 x 12      num_layers, batch_size, kv_num_heads, head_dim, v_head_dim,
 //                 max_sequence_length, dtype (0 f32, 1 f16, 2 bf16), page_tokens,
-//                 rollback_tokens, kv_quant (0 none, 1 int8), recent_tokens, sink_tokens
+//                 rollback_tokens, kv_quant (0 none, 1 int8, 2 int4), recent_tokens, sink_tokens
 //   i64 x L       sliding_window per layer (0 = none)
 //   i64 x B       seq_lens
 //   i64 x L*B     first position held per (layer, sequence) (> 0 after eviction)
 //   i64 x L*B     first block cold-page quantization has not considered, per (layer, sequence)
-//   block map     u8 per (layer, sequence, block held, head): 0 native, 1 int8 (KVEncoding)
+//   block map     u8 per (layer, sequence, block held, head): 0 native, 1 int8, 2 int4 (KVEncoding)
 //   payload       for layer, sequence, head, block held: a native block's valid K rows then its
-//                 V rows; an int8 block (always full) as its page stores it: K int8, V int8 in
-//                 row pairs, K scales, V scales (quantize.h), so values survive exactly
+//                 V rows; a quantized block (always full) as its page stores it: codes, then
+//                 scales (and int4 minimums) (quantize.h), so values survive exactly
 //   u64           checksum of every byte before it (64-bit FNV-1a over 8-byte words)
 // save() writes to "<path>.tmp" and renames it over `path`, so a reader never sees a partial
 // file. load() checks magic, version, every geometry field, the exact file size and the
@@ -35,7 +35,7 @@ namespace olep {
 namespace {
 
 constexpr char kMagic[8] = {'O', 'L', 'K', 'V', 'C', 'A', 'C', 'H'};
-constexpr uint32_t kVersion = 3;  // 3: int8 V codes in row pairs (kernels/kv_block.h)
+constexpr uint32_t kVersion = 3;  // 3: int8 V codes in row pairs, int4 pages (kernels/kv_block.h)
 constexpr int kFixedFields = 12;
 
 std::string str(int64_t v) { return std::to_string(v); }
@@ -135,7 +135,7 @@ void KVCache::save(const std::string& path) const {
     w.put(block_map.data(), block_map.size());
     const size_t es = g_.elem_bytes();
     const size_t krow = static_cast<size_t>(g_.head_dim) * es, vrow = static_cast<size_t>(g_.v_head_dim) * es;
-    const size_t qbytes = static_cast<size_t>(g_.quant_scale_offset() + 4 * (g_.head_dim + P));
+    const size_t qbytes = static_cast<size_t>(g_.quant_scale_offset() + g_.quant_meta_bytes());
     std::vector<KVBlock> blocks;
     for (int64_t l = 0; l < L; ++l)
       for (int64_t b = 0; b < B; ++b) {
@@ -145,7 +145,7 @@ void KVCache::save(const std::string& path) const {
           append_blocks(g_, t.first_block, 0, content_.lens[static_cast<size_t>(b)],
                         [&](int64_t blk) { return t.at(blk, h, H); }, &blocks);
           for (const KVBlock& kb : blocks) {
-            if (kb.encoding == KVEncoding::kInt8) {
+            if (kb.encoding != KVEncoding::kNative) {
               w.put(t.at(kb.first_position / P, h, H)->data, qbytes);
             } else {
               w.put(kb.key, static_cast<size_t>(kb.num_rows) * krow);
@@ -202,7 +202,7 @@ std::unique_ptr<KVCache> KVCache::load(const std::string& path, std::shared_ptr<
   g.recent_tokens = r.get_i64("recent_tokens");
   g.sink_tokens = r.get_i64("sink_tokens");
   if (dtype < 0 || dtype > 2) throw std::invalid_argument(path + ": bad dtype code " + str(dtype));
-  if (kv_quant < 0 || kv_quant > 1) throw std::invalid_argument(path + ": bad kv_quant code " + str(kv_quant));
+  if (kv_quant < 0 || kv_quant > 2) throw std::invalid_argument(path + ": bad kv_quant code " + str(kv_quant));
   g.dtype = static_cast<DType>(dtype);
   g.kv_quant = static_cast<KVQuant>(kv_quant);
   try {
@@ -234,7 +234,7 @@ std::unique_ptr<KVCache> KVCache::load(const std::string& path, std::shared_ptr<
   for (auto& v : qnext) v = r.get_i64("quantization marks");
   const size_t es = dtype_size(g.dtype);
   const size_t krow = static_cast<size_t>(g.head_dim) * es, vrow = static_cast<size_t>(g.v_head_dim) * es;
-  const int64_t qbytes = g.quant_scale_offset() + 4 * (g.head_dim + P);
+  const int64_t qbytes = g.quant_scale_offset() + g.quant_meta_bytes();
   int64_t blocks = 0;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t len = lens[static_cast<size_t>(b)];
@@ -265,11 +265,12 @@ std::unique_ptr<KVCache> KVCache::load(const std::string& path, std::shared_ptr<
       for (int64_t blk = f / P; blk < (len + P - 1) / P; ++blk)
         for (int64_t h = 0; h < H; ++h, ++e) {
           const int64_t rows = std::min(P, len - blk * P);
-          if (enc[e] > 1 || (enc[e] == 1 && (g.kv_quant != KVQuant::kInt8 || rows != P)))
+          if (enc[e] > 2 || (enc[e] != 0 && (static_cast<int64_t>(g.kv_quant) != enc[e] || rows != P)))
             throw std::invalid_argument(path + ": block map entry " + str(static_cast<int64_t>(enc[e])) +
                                         " of layer " + str(l) + ", sequence " + str(b) + ", block " + str(blk) +
-                                        " is not valid for this cache (0 native; 1 int8, full pages of an int8 cache)");
-          if (enc[e] == 1) {
+                                        " is not valid for this cache (0 native; 1 int8 / 2 int4: full pages of a"
+                                        " cache of that kv_quant)");
+          if (enc[e] != 0) {
             payload += qbytes;
             ++quants;
           } else {
@@ -309,7 +310,7 @@ std::unique_ptr<KVCache> KVCache::load(const std::string& path, std::shared_ptr<
       t.quant_next = qnext[static_cast<size_t>(l * B + b)];
       for (int64_t blk = t.first_block; blk < (len + P - 1) / P; ++blk)
         for (int64_t h = 0; h < H; ++h, ++e) {
-          Page* pg = enc[e] == 1 ? got_quant[kq++] : got_native[kn++];
+          Page* pg = enc[e] != 0 ? got_quant[kq++] : got_native[kn++];
           pg->encoding = enc[e];
           t.pages.push_back(pg);
           c.holds.add(pg);
@@ -317,7 +318,7 @@ std::unique_ptr<KVCache> KVCache::load(const std::string& path, std::shared_ptr<
       for (int64_t h = 0; h < H; ++h)
         for (int64_t blk = t.first_block; blk < (len + P - 1) / P; ++blk) {
           Page* pg = t.at(blk, h, H);
-          if (pg->encoding == 1) {
+          if (pg->encoding != 0) {
             r.get(pg->data, static_cast<size_t>(qbytes), "rows");
           } else {
             const size_t n = static_cast<size_t>(std::min(P, len - blk * P));

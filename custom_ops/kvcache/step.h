@@ -68,8 +68,8 @@ void append_blocks(const CacheGeometry& g, int64_t first_block, int64_t key_begi
     const int64_t start = blk * P;
     const int64_t lo = key_begin > start ? key_begin : start;
     const int64_t hi = key_end < start + P ? key_end : start + P;
-    if (pg->encoding == static_cast<uint8_t>(KVEncoding::kInt8)) {
-      out->push_back(quant::int8_block(g, pg->data, start, lo - start, hi - start));
+    if (pg->encoding != static_cast<uint8_t>(KVEncoding::kNative)) {
+      out->push_back(quant::quant_block(g, pg->data, start, lo - start, hi - start));
       continue;
     }
     KVBlock kb;

@@ -20,25 +20,23 @@ import pytest
 
 import ort_utils
 from models import AttnCfg, cache_attention_model
-from reference import assert_close, int8_pv_atol, np_dtype, quantize_page_int8, ref_attn
+from reference import assert_close, int8_pv_atol, np_dtype, quantize_page, quantize_page_int8, ref_attn
 
 CAP = 512
 
 
 CFGS = [
-    AttnCfg("mha_f32", 4, 4, 32, "float32"),
+    AttnCfg("mha_f32", 4, 4, 64, "float32"),
     AttnCfg("gqa_f16", 8, 2, 32, "float16"),
     AttnCfg("mqa_bf16", 16, 1, 32, "bfloat16"),
 ]
 
 
-quantize_page = quantize_page_int8
-
-
 class Model:
     """Content of one (layer, sequence) as attention sees it: native rows, cold pages dequantized."""
 
-    def __init__(self, hkv, d, dt, page_tokens, recent, sink):
+    def __init__(self, hkv, d, dt, page_tokens, recent, sink, mode="int8"):
+        self.mode = mode
         self.k = np.zeros((hkv, 0, d), np.float32)
         self.v = np.zeros((hkv, 0, d), np.float32)
         self.dt, self.P, self.R, self.S = dt, page_tokens, recent, sink
@@ -60,15 +58,16 @@ class Model:
             self.quantized.add(blk)
             for h in range(kp.shape[0]):
                 if np.all(np.isfinite(kp[h])) and np.all(np.isfinite(vp[h])):
-                    self.k[h, sl], self.v[h, sl], codes, ks = quantize_page(kp[h], vp[h], codes=True)
-                    self.pages[(h, blk * P)] = (codes, ks)
+                    self.k[h, sl], self.v[h, sl], *meta = quantize_page(self.mode, kp[h], vp[h], codes=True)
+                    self.pages[(h, blk * P)] = meta
 
     def int8_pages(self):
-        return [(0, h, start, codes, ks) for (h, start), (codes, ks) in sorted(self.pages.items())]
+        return [(0, h, start, *meta) for (h, start), meta in sorted(self.pages.items())]
 
 
+@pytest.mark.parametrize("mode", ["int8", "int4"])
 @pytest.mark.parametrize("cfg", CFGS, ids=lambda c: c.id)
-def test_int8_pages_match_the_model(cfg, olep, isa):
+def test_quantized_pages_match_the_model(cfg, mode, olep, isa):
     dt = np_dtype(cfg.dtype)
     B, L, Hq, Hkv, D, P, R, S = 2, 2, cfg.hq, cfg.hkv, cfg.d, 32, 40, 4
     rng = np.random.default_rng(zlib.crc32(cfg.id.encode()))
@@ -76,9 +75,9 @@ def test_int8_pages_match_the_model(cfg, olep, isa):
         layer_count=L, q_num_heads=Hq, kv_num_heads=Hkv, head_dim=D,
         dtype=cfg.dtype, with_seqlens_k=True, is_causal=1))
     cache = olep.KVCache(L, B, Hkv, D, dtype=cfg.dtype, max_sequence_length=CAP, page_tokens=P,
-                         kv_quant="int8", recent_tokens=R, sink_tokens=S)
-    assert (cache.kv_quant, cache.recent_tokens, cache.sink_tokens) == ("int8", R, S)
-    models = [[Model(Hkv, D, dt, P, R, S) for _ in range(B)] for _ in range(L)]
+                         kv_quant=mode, recent_tokens=R, sink_tokens=S)
+    assert (cache.kv_quant, cache.recent_tokens, cache.sink_tokens) == (mode, R, S)
+    models = [[Model(Hkv, D, dt, P, R, S, mode) for _ in range(B)] for _ in range(L)]
     steps = [(70, [70, 45])] + [(1, [1, 1])] * 30 + [(50, [50, 20])] + [(1, [1, 0])] * 10 + [(80, [80, 80])] + \
         [(1, [1, 1])] * 8
     lens = np.zeros(B, np.int64)
@@ -109,7 +108,7 @@ def test_int8_pages_match_the_model(cfg, olep, isa):
                                        m.k[None, :, :total - nb], m.v[None, :, :total - nb], causal=True,
                                        int8_pages=m.int8_pages())[0]
                         assert_close(out[f"Y_{l}"][b:b + 1, :, :nb], ref, dt, where,
-                                     extra_atol=int8_pv_atol(isa, m.v))
+                                     extra_atol=int8_pv_atol(isa, m.v, mode))
             lens += np.asarray(n)
             for l in range(L):
                 for b in range(B):
@@ -148,7 +147,7 @@ def test_non_finite_page_stays_native(olep):
                     assert np.array_equal(ek[0, h, sl], k[0, h, sl], equal_nan=True)
                     assert np.array_equal(ev[0, h, sl], v[0, h, sl], equal_nan=True)
                 else:
-                    dk, dv = quantize_page(k[0, h, sl], v[0, h, sl])
+                    dk, dv = quantize_page_int8(k[0, h, sl], v[0, h, sl])
                     assert np.array_equal(ek[0, h, sl], dk) and np.array_equal(ev[0, h, sl], dv)
         st = cache.stats()
         assert st["native_bytes"] == 2 * P * 2 * D * 4  # two native pages of float32 K and V
@@ -156,22 +155,31 @@ def test_non_finite_page_stays_native(olep):
         cache.close()
 
 
-@pytest.mark.parametrize("outlier, mean_tol, max_tol", [(1.0, 1e-3, 5e-3), (50.0, 2e-2, 0.35)])
-def test_outlier_channels_int8_error(outlier, mean_tol, max_tol, olep):
-    """INT8 attention output against the float32 reference of the unquantized cache, stated per
-    case: unit-variance K and V, 1024 cached positions in 4 int8 pages of 256 per head (sinks 0,
-    recent 0), 8 query rows; with 3 of 64 K channels 50x larger (as real K caches have) the
-    per-channel scales keep the error to mean |dy| <= 2e-2, max <= 0.35 (0.014 / 0.25 measured by
-    the numpy model of the codec); without outliers mean <= 1e-3, max <= 5e-3."""
-    rng = np.random.default_rng(int(outlier))
+@pytest.mark.parametrize("mode, outlier, offset, mean_tol, max_tol", [
+    ("int8", 1.0, 0.0, 1e-3, 5e-3), ("int8", 50.0, 0.0, 2e-2, 0.35),
+    ("int4", 1.0, 0.0, 9e-3, 5e-2), ("int4", 1.0, 50.0, 9e-3, 5e-2), ("int4", 50.0, 0.0, 0.25, 4.0)])
+def test_outlier_channels_quantized_error(mode, outlier, offset, mean_tol, max_tol, olep):
+    """Quantized attention output against the float32 reference of the unquantized cache, stated
+    per mode and case: unit-variance K and V, 1024 cached positions in 4 quantized pages of 256
+    per head (sinks 0, recent 0), 8 query rows, 3 of 64 K channels either 50x larger (variance) or
+    offset by 50 (magnitude), as real K caches have outlier channels.
+    int8 (per-channel K scales): without outliers mean |dy| <= 1e-3, max <= 5e-3 (3.7e-4 / 1.9e-3
+    measured); 50x channels mean <= 2e-2, max <= 0.35 (0.011 / 0.30).
+    int4 (per-channel minimum and step): mean <= 9e-3, max <= 5e-2 without outliers (5.8e-3 /
+    0.030) and with offset channels (the minimum absorbs the offset); with 50x-variance channels
+    mean <= 0.25, max <= 4.0 (0.16 / 2.7 measured): the scores are then dominated by three
+    channels coded with 16 levels each, the case where 4 bits per element fall short (docs/API.md;
+    in models the native recent window and sinks carry most of the weight)."""
+    rng = np.random.default_rng(int(outlier) + int(offset))
     B, Hq, Hkv, D, T, S = 1, 4, 4, 64, 1024, 8
     k = rng.standard_normal((B, Hkv, T, D)).astype(np.float32)
     v = rng.standard_normal((B, Hkv, T, D)).astype(np.float32)
     k[:, :, :, [3, 17, 40]] *= outlier
+    k[:, :, :, [3, 17, 40]] += offset
     sess = ort_utils.make_ep_session(olep, cache_attention_model(
         layer_count=1, q_num_heads=Hq, kv_num_heads=Hkv, head_dim=D,
         dtype="float32", is_causal=1))
-    cache = olep.KVCache.from_past([k], [v], page_tokens=256, kv_quant="int8", recent_tokens=0, sink_tokens=0,
+    cache = olep.KVCache.from_past([k], [v], page_tokens=256, kv_quant=mode, recent_tokens=0, sink_tokens=0,
                                    max_sequence_length=T + S)
     try:
         assert cache.stats()["native_bytes"] == 0
@@ -179,6 +187,7 @@ def test_outlier_channels_int8_error(outlier, mean_tol, max_tol, olep):
         kn = rng.standard_normal((B, Hkv, S, D)).astype(np.float32)
         vn = rng.standard_normal((B, Hkv, S, D)).astype(np.float32)
         kn[:, :, :, [3, 17, 40]] *= outlier
+        kn[:, :, :, [3, 17, 40]] += offset
         y = ort_utils.run(sess, {"query_0": q, "key_0": kn, "value_0": vn, "kv_cache": cache.handle})["Y_0"]
         ref = ref_attn(q, kn, vn, k, v, causal=True)[0]
         err = np.abs(y.astype(np.float64) - ref)

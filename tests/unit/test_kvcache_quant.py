@@ -1,20 +1,18 @@
-"""The arena's operations on int8 cold pages (KVCache(kv_quant="int8")): fork and reorder share
-quantized pages, truncate into a quantized page keeps the kept rows' values, checkpoints,
-save/load keep the int8 bytes and scales exactly, stats count the encodings, bad policies are
-ValueErrors. Attention on such pages: tests/differential/test_quantized_pages.py."""
+"""The arena's operations on quantized cold pages (KVCache(kv_quant="int8" / "int4")): fork and
+reorder share quantized pages, truncate into a quantized page keeps the kept rows' values,
+checkpoints, save/load keep the codes and scales exactly, stats count the encodings, bad
+policies are ValueErrors. Attention on such pages: tests/differential/test_quantized_pages.py."""
 import numpy as np
 import pytest
 
 import onnx_light_ep as olep
-from reference import quantize_page_int8
+from reference import quantize_page
 
-P, D, H = 32, 16, 2
-
-
-quantize_page = quantize_page_int8
+P, D, H = 32, 32, 2
+MODES = ["int8", "int4"]
 
 
-def expected(k, v, recent, sink):
+def expected(k, v, recent, sink, mode="int8"):
     """k, v [B, H, L, D] float32 after one import: cold pages dequantized."""
     k, v = k.copy(), v.copy()
     L = k.shape[2]
@@ -22,33 +20,35 @@ def expected(k, v, recent, sink):
         sl = slice(blk * P, (blk + 1) * P)
         for b in range(k.shape[0]):
             for h in range(k.shape[1]):
-                k[b, h, sl], v[b, h, sl] = quantize_page(k[b, h, sl], v[b, h, sl])
+                k[b, h, sl], v[b, h, sl] = quantize_page(mode, k[b, h, sl], v[b, h, sl])
     return k, v
 
 
-def make(batch=1, length=5 * P, recent=40, sink=4, dtype=np.float32, seed=0, **kw):
+def make(batch=1, length=5 * P, recent=40, sink=4, dtype=np.float32, seed=0, mode="int8", **kw):
     rng = np.random.default_rng(seed)
     k = rng.standard_normal((batch, H, length, D)).astype(dtype)
     v = rng.standard_normal((batch, H, length, D)).astype(dtype)
     cache = olep.KVCache.from_past([k, k[:, ::-1].copy()], [v, v[:, ::-1].copy()], page_tokens=P,
-                                   kv_quant="int8", recent_tokens=recent, sink_tokens=sink,
+                                   kv_quant=mode, recent_tokens=recent, sink_tokens=sink,
                                    max_sequence_length=16 * P, **kw)
     return cache, k, v
 
 
-def test_policy_reads_back_and_stats_count_encodings():
-    cache, k, v = make()
+@pytest.mark.parametrize("mode", MODES)
+def test_policy_reads_back_and_stats_count_encodings(mode):
+    cache, k, v = make(mode=mode)
     with cache:
-        assert (cache.kv_quant, cache.recent_tokens, cache.sink_tokens) == ("int8", 40, 4)
+        assert (cache.kv_quant, cache.recent_tokens, cache.sink_tokens) == (mode, 40, 4)
         st = cache.stats()
         # length 160, recent 40: blocks wholly before 120 are 0..2; block 0 holds the sinks
         quant_pages, native_pages = 2 * 2 * H, 3 * 2 * H  # [layers x heads] blocks 1, 2 / 0, 3, 4
-        assert st["quantized_bytes"] == quant_pages * P * 2 * D
-        assert st["scale_bytes"] == quant_pages * 4 * (D + P)
+        bits, meta = (8, 4) if mode == "int8" else (4, 8)  # code bits; metadata bytes per channel / row
+        assert st["quantized_bytes"] == quant_pages * P * 2 * D * bits // 8
+        assert st["scale_bytes"] == quant_pages * meta * (D + P)
         assert st["native_bytes"] == native_pages * P * 2 * D * 4
         assert st["num_pages"] == quant_pages + native_pages
         ek, ev = cache.export(0)
-        xk, xv = expected(k, v, 40, 4)
+        xk, xv = expected(k, v, 40, 4, mode)
         assert np.array_equal(ek, xk) and np.array_equal(ev, xv)
     plain = olep.KVCache.from_past([k], [v], page_tokens=P)
     with plain:
@@ -65,8 +65,14 @@ def test_bad_policy_is_a_value_error(kw, match):
         olep.KVCache(1, 1, H, D, max_sequence_length=64, **kw)
 
 
-def test_fork_and_reorder_share_quantized_pages():
-    cache, k, v = make(batch=2)
+def test_int4_needs_head_dims_multiple_of_32():
+    with pytest.raises(ValueError, match="int4.*head_dim and v_head_dim multiples of 32.*got 48 and 48"):
+        olep.KVCache(1, 1, H, 48, max_sequence_length=64, kv_quant="int4")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_fork_and_reorder_share_quantized_pages(mode):
+    cache, k, v = make(batch=2, mode=mode)
     with cache:
         before = cache.stats()
         beams = cache.fork([1, 1, 0])
@@ -76,16 +82,17 @@ def test_fork_and_reorder_share_quantized_pages():
             assert st["quantized_bytes"] == before["quantized_bytes"]  # the same pages, shared
             beams.reorder([2, 2, 2])
             ek, _ = beams.export(0)
-            xk, _ = expected(k, v, 40, 4)
+            xk, _ = expected(k, v, 40, 4, mode)
             for b in range(3):
                 assert np.array_equal(ek[b], xk[0])
             assert beams.stats()["bytes_copied"] == ek.nbytes * 2  # the export itself (K and V)
 
 
-def test_truncate_into_a_quantized_page_keeps_its_rows():
-    cache, k, v = make(dtype=np.float16)
+@pytest.mark.parametrize("mode", MODES)
+def test_truncate_into_a_quantized_page_keeps_its_rows(mode):
+    cache, k, v = make(dtype=np.float16, mode=mode)
     with cache:
-        xk, xv = expected(k.astype(np.float32), v.astype(np.float32), 40, 4)
+        xk, xv = expected(k.astype(np.float32), v.astype(np.float32), 40, 4, mode)
         cut = P + 10  # inside block 1 (quantized)
         cache.truncate(cut)
         ek, ev = cache.export(0)
@@ -96,8 +103,9 @@ def test_truncate_into_a_quantized_page_keeps_its_rows():
         assert cache.seq_lens.tolist() == [cut]
 
 
-def test_checkpoint_restore_and_save_load_keep_int8_bytes(tmp_path):
-    cache, k, v = make(batch=2, length=6 * P + 5)
+@pytest.mark.parametrize("mode", MODES)
+def test_checkpoint_restore_and_save_load_keep_quantized_bytes(tmp_path, mode):
+    cache, k, v = make(batch=2, length=6 * P + 5, mode=mode)
     with cache:
         e0 = [cache.export(layer) for layer in range(2)]
         with cache.checkpoint() as cp:
@@ -110,7 +118,7 @@ def test_checkpoint_restore_and_save_load_keep_int8_bytes(tmp_path):
         cache.save(path)
         st = cache.stats()
         with olep.KVCache.load(path) as loaded:
-            assert (loaded.kv_quant, loaded.recent_tokens, loaded.sink_tokens) == ("int8", 40, 4)
+            assert (loaded.kv_quant, loaded.recent_tokens, loaded.sink_tokens) == (mode, 40, 4)
             for layer in range(2):
                 ek, ev = loaded.export(layer)
                 assert np.array_equal(ek, e0[layer][0]) and np.array_equal(ev, e0[layer][1])

@@ -41,12 +41,16 @@ GEOMS = [
     dict(L=2, Hq=2, Hkv=2, D=4, windows=[None, 40], rollback=8, mode="cpu"),
     # int8 cold pages (recent 16 positions and the first page native), layer 1 windowed
     dict(L=2, Hq=2, Hkv=1, D=8, windows=[None, 48], rollback=8, mode="ep", quant=dict(recent=16, sink=4)),
+    # int4 cold pages (head_dim a multiple of 32), layer 1 windowed
+    dict(L=2, Hq=2, Hkv=1, D=32, windows=[None, 48], rollback=8, mode="ep",
+         quant=dict(recent=16, sink=4, kv_quant="int4")),
 ]
 
 
 def quant_kw(G):
     q = G.get("quant")
-    return {} if q is None else dict(kv_quant="int8", recent_tokens=q["recent"], sink_tokens=q["sink"])
+    return {} if q is None else dict(kv_quant=q.get("kv_quant", "int8"), recent_tokens=q["recent"],
+                                     sink_tokens=q["sink"])
 P = 32  # page_tokens
 MSL = 256
 POISON = 1e4
@@ -79,7 +83,7 @@ def qkv_for(G, B, S, seed, n=None):
 def new_ref(G, B):
     q = G.get("quant") or {}
     return RefCache(G["L"], B, G["Hkv"], G["D"], capacity=MSL, windows=G["windows"],
-                    rollback_tokens=G["rollback"], page_tokens=P, kv_quant="int8" if q else None,
+                    rollback_tokens=G["rollback"], page_tokens=P, kv_quant=q.get("kv_quant", "int8") if q else None,
                     recent_tokens=q.get("recent", 128), sink_tokens=q.get("sink", 4))
 
 

@@ -1,0 +1,162 @@
+// int4 pages (KVEncoding::kInt4) on the row path, 16-bit fixed point (internal; see
+// simd_rows.h, which calls these for few rows per kv head, and kv_block.h for the layouts).
+//
+// Codes are unpacked in registers: 2 * W bytes zero-extended to int16 give the low nibbles
+// (V::low_nibbles) and the high nibbles (V::high_nibbles) of those bytes, 2 * W codes each.
+// - K: in a row, bytes 16 g + i hold channels 32 g + i (low) and 32 g + 16 + i (high), so one
+//   unpacked load of 2 * W bytes holds the channels int4_q_channel names; q16 is stored in that
+//   order per chunk of 4 * W channels (int4_permute_q), and the dot products are exact int32.
+// - V: a row pair's bytes 32 g + 2 i + parity hold channels 32 g + i (low) and 32 g + 16 + i
+//   (high) of both rows, so after unpacking each 32-bit lane is (row 2k, row 2k + 1) of one
+//   channel: one VPMADDWD / VPDPWSSD against a broadcast pair of 16-bit weights.
+#pragma once
+
+#include "kernels/simd_pv.h"
+
+namespace olep {
+namespace kernels {
+namespace simd {
+
+// Channel of lane L (0 <= L < 2 * W) of the low (high = false) or high unpacked half of the K
+// load covering chunk c (channels 4 W c .. 4 W c + 4 W - 1).
+template <int W>
+constexpr int64_t int4_q_channel(int64_t c, int64_t L, bool high) {
+  return 4 * W * c + 32 * (L / 16) + (L % 16) + (high ? 16 : 0);
+}
+
+// q16 in natural channel order -> the order int4 K loads unpack to: per chunk c, 2 * W lanes for
+// the low nibbles then 2 * W for the high ones. D is a multiple of 4 * W.
+template <int W>
+inline void int4_permute_q(const int16_t* q16, int64_t D, int16_t* out) {
+  for (int64_t c = 0; c < D / (4 * W); ++c)
+    for (int64_t L = 0; L < 2 * W; ++L) {
+      out[4 * W * c + L] = q16[int4_q_channel<W>(c, L, false)];
+      out[4 * W * c + 2 * W + L] = q16[int4_q_channel<W>(c, L, true)];
+    }
+}
+
+// Raw fixed-point sums of one row (q16 permuted) against the W keys of a tile (rows of kp,
+// D / 2 bytes apart, rows past the valid ones zero): out[t] = sum_d q16[d] * code[t][d].
+template <class V>
+OLEP_COLD_REGS void scores_i4_walk(const int16_t* q, int64_t D, const uint8_t* kp, float* out, TilePrefetch* pf) {
+  using vf = typename V::vf;
+  constexpr int W = V::W;
+  vf acc[W];
+#pragma GCC unroll 16
+  for (int t = 0; t < W; ++t) {
+    pf->step();
+    const uint8_t* kr = kp + t * (D / 2);
+    vf a0 = V::zero(), a1 = V::zero();
+    for (int64_t d = 0; d < D; d += 4 * W) {
+      const vf x = V::widen_u8(kr + d / 2);
+      a0 = V::dot_i16(a0, V::load_raw_i16(q + d), V::low_nibbles(x));
+      a1 = V::dot_i16(a1, V::load_raw_i16(q + d + 2 * W), V::high_nibbles(x));
+    }
+    acc[t] = V::cvt_i32(V::add_i32(a0, a1));
+  }
+  V::store(out, V::transpose_reduce(acc));
+}
+
+// RB rows x W keys, register blocks of RB rows x KB = W / RB keys: each unpacked K load serves
+// RB rows (ptile[row * W + t] as scores_rows writes them).
+template <class V, int RB>
+OLEP_COLD_REGS void scores_i4_rows(const int16_t* q16, int64_t D, const uint8_t* kp, const int64_t* rows, float* ptile,
+                                   TilePrefetch* pf) {
+  using vf = typename V::vf;
+  constexpr int W = V::W, KB = W / RB;
+  alignas(64) float x[RB][W];
+  for (int g = 0; g < RB; ++g) {
+    vf acc[W];
+#pragma GCC unroll 16
+    for (int e = 0; e < W; ++e) acc[e] = V::zero();
+    const uint8_t* kg = kp + g * KB * (D / 2);
+    for (int64_t d = 0; d < D; d += 4 * W) {
+      pf->step();
+      vf lo[KB], hi[KB];
+#pragma GCC unroll 16
+      for (int tt = 0; tt < KB; ++tt) {
+        const vf w = V::widen_u8(kg + tt * (D / 2) + d / 2);
+        lo[tt] = V::low_nibbles(w);
+        hi[tt] = V::high_nibbles(w);
+      }
+#pragma GCC unroll 4
+      for (int rr = 0; rr < RB; ++rr) {
+        const vf ql = V::load_raw_i16(q16 + rows[rr] * D + d), qh = V::load_raw_i16(q16 + rows[rr] * D + d + 2 * W);
+#pragma GCC unroll 16
+        for (int tt = 0; tt < KB; ++tt) acc[rr * KB + tt] = V::dot_i16(V::dot_i16(acc[rr * KB + tt], ql, lo[tt]), qh, hi[tt]);
+      }
+    }
+#pragma GCC unroll 16
+    for (int e = 0; e < W; ++e) acc[e] = V::cvt_i32(acc[e]);
+    V::store(x[g], V::transpose_reduce(acc));
+  }
+  for (int rr = 0; rr < RB; ++rr)
+    for (int g = 0; g < RB; ++g) std::memcpy(ptile + rows[rr] * W + g * KB, &x[g][rr * KB], KB * sizeof(float));
+}
+
+// P.V over int4 V row pairs: as pv_block_i16 (simd_pv.h) with NU unpacked loads of 2 * W bytes
+// (load u covers channels int4 V lo / hi bases), plus each row's vbias = sum_t p_t * value_min_t
+// added to every channel: o = o * corr + wscale * sum + vbias.
+template <class V, int RB, int NU>
+OLEP_HOT void pv_block_i4(float* const* acc, const int16_t* const* words, const float* wscale, const float* corr,
+                          const float* vbias, const uint8_t* pairs, int64_t Dv, int64_t load0, int64_t npairs,
+                          TilePrefetch* pf) {
+  using vf = typename V::vf;
+  constexpr int W = V::W;
+  vf s[RB][2 * NU];
+#pragma GCC unroll 4
+  for (int rr = 0; rr < RB; ++rr)
+#pragma GCC unroll 8
+    for (int u = 0; u < 2 * NU; ++u) s[rr][u] = V::zero();
+  for (int64_t k = 0; k < npairs; ++k) {
+    pf->step();
+    vf lo[NU], hi[NU];
+#pragma GCC unroll 8
+    for (int u = 0; u < NU; ++u) {
+      const vf x = V::widen_u8(pairs + k * Dv + (load0 + u) * 2 * W);
+      lo[u] = V::low_nibbles(x);
+      hi[u] = V::high_nibbles(x);
+    }
+#pragma GCC unroll 4
+    for (int rr = 0; rr < RB; ++rr) {
+      int32_t w;
+      std::memcpy(&w, words[rr] + 2 * k, sizeof(w));
+      const vf wb = V::set1_i32(w);
+#pragma GCC unroll 8
+      for (int u = 0; u < NU; ++u) {
+        s[rr][2 * u] = V::dot_i16(s[rr][2 * u], lo[u], wb);
+        s[rr][2 * u + 1] = V::dot_i16(s[rr][2 * u + 1], hi[u], wb);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int rr = 0; rr < RB; ++rr) {
+    const vf c = V::set1(corr[rr]), ws = V::set1(wscale[rr]), vb = V::set1(vbias[rr]);
+#pragma GCC unroll 8
+    for (int u = 0; u < NU; ++u) {
+      // load L = load0 + u: 32-channel group L / (16 / W), W-channel slot L % (16 / W)
+      const int64_t L = load0 + u, base = 32 * (L / (16 / W)) + W * (L % (16 / W));
+      for (int half = 0; half < 2; ++half) {
+        float* o = acc[rr] + base + 16 * half;
+        V::store(o, V::add(V::fma(V::cvt_i32(s[rr][2 * u + half]), ws, V::mul(V::load(o), c)), vb));
+      }
+    }
+  }
+}
+
+// pv_block_i4 over the whole Dv (a multiple of 32): Dv / (2 W) loads per row pair, NU at a time
+// (RB * 2 * NU sums in registers).
+template <class V, int RB>
+OLEP_HOT void pv_rows_i4(float* const* acc, const int16_t* const* words, const float* wscale, const float* corr,
+                         const float* vbias, const uint8_t* pairs, int64_t Dv, int64_t npairs, TilePrefetch* pf) {
+  constexpr int W = V::W;
+  constexpr int NU = (W >= 16 ? (RB <= 2 ? 4 : 2) : (RB == 1 ? 4 : 2));
+  const int64_t loads = Dv / (2 * W);
+  int64_t l = 0;
+  for (; l + NU <= loads; l += NU) pv_block_i4<V, RB, NU>(acc, words, wscale, corr, vbias, pairs, Dv, l, npairs, pf);
+  for (; l < loads; ++l) pv_block_i4<V, RB, 1>(acc, words, wscale, corr, vbias, pairs, Dv, l, npairs, pf);
+}
+
+}  // namespace simd
+}  // namespace kernels
+}  // namespace olep
