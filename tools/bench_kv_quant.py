@@ -6,8 +6,9 @@
 One decode step (one new token: one query row per query head at position T - 1 over the T keys
 [0, T)), head_dim 128, one thread, for GQA 32/8 (8 kv heads, 4 query heads each) and MHA 32/32
 at contexts 8K and 32K. Every time is milliseconds per layer-step: a step over `layers` layers,
-enough for the K/V bytes to reach 256 MiB (so they come from DRAM, not the caches), divided by
-`layers`. What is measured, per configuration:
+enough for the K/V bytes to reach 256 MiB (so they come from DRAM, not the caches; each
+implementation and variant its own count), divided by `layers`. What is measured, per
+configuration:
 
 1. Ours, the attention kernel alone (``build-dev/bench_quant_attention f16 T 256 kv_heads group
    128 rounds 1 layers``): the same K/V values as float16 pages (``native``) and as int8 pages
@@ -28,7 +29,8 @@ enough for the K/V bytes to reach 256 MiB (so they come from DRAM, not the cache
    sessions exist at once and run interleaved round by round, after warm-up steps; median, min,
    p25, p75 over the rounds. A variant ORT refuses (session creation or run) is recorded with the
    exact error text instead of a time.
-3. ``build-dev/bench_fma_peak``: the measured multiply-add peak of one core per ISA level.
+3. ``build-dev/bench_fma_peak 50 30``: the measured multiply-add peak of one core per ISA level,
+   the best of 30 trials of 50 ms (short trials: on a shared machine some run undisturbed).
 
 Derived, per row: bytes per layer-step (K, V and scales: for ours the pages as the driver lays
 them out; for ORT the T rows of both caches plus the scales); the read limit = bytes / the
@@ -136,8 +138,9 @@ def quant_page_bytes(page_tokens: int, head_dim: int, bits: int) -> int:
 
 
 def layers_for(layer_bytes: int, min_bytes: int) -> int:
-    """The rule of bench_quant_attention: enough layers for `min_bytes` (at least 1)."""
-    return max(1, min_bytes // layer_bytes)
+    """Enough layers for at least `min_bytes` (the rule of bench_quant_attention where
+    `layer_bytes` divides `min_bytes`, as its native pages do here; it rounds down)."""
+    return max(1, -(-min_bytes // layer_bytes))
 
 
 def ort_layer_bytes(kv_heads: int, context: int, head_dim: int, dtype: str, bits: int) -> int:
@@ -525,7 +528,7 @@ def main(argv=None) -> int:
     say = lambda line: print(line, flush=True)  # noqa: E731
     exe = ensure_built(args.build_dir)
     env = dict(os.environ, **({"ONNX_LIGHT_ISA": args.isa} if args.isa else {}))
-    peak_text = subprocess.run([exe["bench_fma_peak"]] + (["20", "3"] if args.quick else ["200", "7"]),
+    peak_text = subprocess.run([exe["bench_fma_peak"]] + (["20", "3"] if args.quick else ["50", "30"]),
                                check=True, capture_output=True, text=True).stdout
     peaks = parse_fma_peak(peak_text)
     say("fma peaks (GFMA/s): " + peaks_line(peaks))
