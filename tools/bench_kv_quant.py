@@ -30,7 +30,8 @@ configuration:
    p25, p75 over the rounds. A variant ORT refuses (session creation or run) is recorded with the
    exact error text instead of a time.
 3. ``build-dev/bench_fma_peak 50 30``: the measured multiply-add peak of one core per ISA level,
-   the best of 30 trials of 50 ms (short trials: on a shared machine some run undisturbed).
+   the best of 30 trials of 50 ms of the thread's CPU time (so another process taking the core
+   does not count).
 
 Derived, per row: bytes per layer-step (K, V and scales: for ours the pages as the driver lays
 them out; for ORT the T rows of both caches plus the scales); the read limit = bytes / the
