@@ -104,6 +104,18 @@ class TextTokenizer:
             return list(self._tok.encode(text, add_special_tokens=False).ids)
         return list(self._tok(text, add_special_tokens=False)["input_ids"])
 
+    def prefix_ids(self) -> List[int]:
+        """The special ids the tokenizer's own post-processor puts before a plain text (Gemma:
+        ``[<bos>]``; SmolLM2: none), for callers that feed a text without a chat template."""
+        if self._kind == "tokenizers":
+            plain = list(self._tok.encode("a", add_special_tokens=False).ids)
+            full = list(self._tok.encode("a", add_special_tokens=True).ids)
+        else:
+            plain = list(self._tok("a", add_special_tokens=False)["input_ids"])
+            full = list(self._tok("a", add_special_tokens=True)["input_ids"])
+        k = next((i for i in range(len(full) - len(plain) + 1) if full[i:i + len(plain)] == plain), 0)
+        return full[:k]
+
     def decode(self, ids: Iterable[int]) -> str:
         ids = [int(i) for i in ids]
         if self._kind == "tokenizers":

@@ -4,13 +4,17 @@
                                   [--benchmarks-md BENCHMARKS.md]
 
 Model: the main job's converted SmolLM2-135M-Instruct (``onnx_light_ep.models.smollm2``; built
-on first use) unless ``--model`` names another converted model with a tokenizer beside it.
+on first use) unless ``--model`` names another converted model (its ``model.onnx`` or the folder
+holding it) with a tokenizer beside it, e.g. Gemma-3-270M (opt-in, Gemma terms:
+``ONNX_LIGHT_ACCEPT_GEMMA_TERMS=1 python -m onnx_light_ep.models.gemma3`` prints its converted
+folder). The special ids the tokenizer puts before a text (Gemma-3's ``<bos>``; none for SmolLM2)
+start the text and every prompt.
 Text: the English prose of CPython's ``pydoc_data/topics.py`` (the Python language reference
 topics that ship with every CPython), its first ``--tokens`` tokens.
 
 Teacher-forced: the text is fed in chunks of ``--chunk`` tokens (each chunk's queries see the
 cache's quantized pages as a decode step at that position would, up to the chunk's own rows),
-once with a native (float32) cache and once per mode; per position the next-token
+to a native (float32) cache and to one cache per mode, chunk by chunk; per position the next-token
 distributions are compared: mean KL(native || quantized), perplexity of the text under each,
 top-1 agreement. Greedy: 10 prompts, each a different ``--prompt-tokens`` excerpt of the same
 text followed by a request to summarize it, 128 new tokens each; the fraction of generated
@@ -23,6 +27,7 @@ block ``eval_kv_quant``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -40,6 +45,9 @@ from onnx_light_ep.bench.machine import machine_info  # noqa: E402
 from onnx_light_ep.rewrite import read_metadata  # noqa: E402
 
 
+NATIVE = "(native)"  # the reference run's key: not a kv_quant mode
+
+
 def real_text() -> str:
     import pydoc_data.topics as topics
 
@@ -52,41 +60,58 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
     return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
 
 
-def teacher_forced_logprobs(session, meta, ids, chunk, cache_options):
-    """log-softmax of the logits at every position of ids [N] (position i predicts ids[i + 1])."""
+def teacher_forced(session, meta, ids, chunk, runs):
+    """Feed ids [N] in chunks to one cache per entry of ``runs`` (name -> cache_options, the first
+    the reference), chunk by chunk in lockstep. Per position i (predicting ids[i + 1]) and per
+    non-reference run: KL(reference || run), the negative log-likelihood of ids[i + 1] under each,
+    whether the argmaxes agree. Only these per-position numbers are kept, not the [N, vocab]
+    log-probabilities (4 GiB per run at Gemma-3's 262144 vocabulary). Returns
+    ({name: per-position arrays}, {name: cache stats})."""
     n = len(ids)
     logits_name = meta.get("logits_output") or session.get_outputs()[0].name
     types = {i.name: i.type for i in session.get_inputs()}
-    out = []
-    with olep.KVCache.for_model(session, 1, n + 1, **cache_options) as cache:
+    names = list(runs)
+    ref_name, others = names[0], names[1:]
+    tgt_all = np.asarray(ids[1:] + [0])
+    acc = {m: {"kld": [], "nll_ref": [], "nll": [], "top1": []} for m in others}
+    with contextlib.ExitStack() as stack:
+        caches = {m: stack.enter_context(olep.KVCache.for_model(session, 1, n + 1, **runs[m])) for m in names}
         for s in range(0, n, chunk):
             c = ids[s:s + chunk]
             e = s + len(c)
-            feeds = {"input_ids": np.asarray([c], np.int64), meta["cache_input"]: cache.handle}
-            if "attention_mask" in types:
-                feeds["attention_mask"] = np.ones((1, e), np.int64)
-            if "position_ids" in types:
-                feeds["position_ids"] = np.arange(s, e, dtype=np.int64)[None]
-            if "seqlens_k" in types:
-                feeds["seqlens_k"] = np.asarray([e - 1], np.int32)
-            if "total_sequence_length" in types:
-                feeds["total_sequence_length"] = np.asarray(e, np.int32)
-            (logits,) = session.run([logits_name], feeds)
-            out.append(log_softmax(logits[0]).astype(np.float32))
-        stats = cache.stats()
-    return np.concatenate(out, 0), stats
+            lps = {}
+            for m in names:
+                feeds = {"input_ids": np.asarray([c], np.int64), meta["cache_input"]: caches[m].handle}
+                if "attention_mask" in types:
+                    feeds["attention_mask"] = np.ones((1, e), np.int64)
+                if "position_ids" in types:
+                    feeds["position_ids"] = np.arange(s, e, dtype=np.int64)[None]
+                if "seqlens_k" in types:
+                    feeds["seqlens_k"] = np.asarray([e - 1], np.int32)
+                if "total_sequence_length" in types:
+                    feeds["total_sequence_length"] = np.asarray(e, np.int32)
+                (logits,) = session.run([logits_name], feeds)
+                lps[m] = log_softmax(logits[0]).astype(np.float32)
+            ref_lp = lps.pop(ref_name).astype(np.float64)
+            p = np.exp(ref_lp)
+            tgt = tgt_all[s:e]
+            rows = np.arange(len(c))
+            for m, lp in lps.items():
+                a = acc[m]
+                a["kld"].append((p * (ref_lp - lp.astype(np.float64))).sum(-1))
+                a["nll_ref"].append(-ref_lp[rows, tgt])
+                a["nll"].append(-lp[rows, tgt].astype(np.float64))
+                a["top1"].append(ref_lp.argmax(-1) == lp.argmax(-1))
+        stats = {m: caches[m].stats() for m in names}
+    return {m: {k: np.concatenate(v) for k, v in a.items()} for m, a in acc.items()}, stats
 
 
-def compare(ref_lp, lp, ids):
-    p = np.exp(ref_lp.astype(np.float64))
-    kld = (p * (ref_lp.astype(np.float64) - lp.astype(np.float64))).sum(-1)[:-1]
-    tgt = np.asarray(ids[1:])
-    nll_ref = -ref_lp[np.arange(len(tgt)), tgt].astype(np.float64)
-    nll = -lp[np.arange(len(tgt)), tgt].astype(np.float64)
+def summarize(per_pos):
+    """mean/max KL, perplexities and top-1 agreement over positions 0 .. N-2 (those with a target)."""
+    kld, nll_ref, nll, top1 = (per_pos[k][:-1] for k in ("kld", "nll_ref", "nll", "top1"))
     ppl_ref, ppl = float(np.exp(nll_ref.mean())), float(np.exp(nll.mean()))
-    top1 = float((ref_lp[:-1].argmax(-1) == lp[:-1].argmax(-1)).mean())
     return {"mean_kld": float(kld.mean()), "max_kld": float(kld.max()), "ppl_native": ppl_ref, "ppl": ppl,
-            "ppl_delta_pct": 100.0 * (ppl / ppl_ref - 1.0), "top1_agreement": top1}
+            "ppl_delta_pct": 100.0 * (ppl / ppl_ref - 1.0), "top1_agreement": float(top1.mean())}
 
 
 def greedy_agreement(path, session, prompts, new_tokens, cache_options):
@@ -110,7 +135,8 @@ def greedy_agreement(path, session, prompts, new_tokens, cache_options):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", help="converted model (default: the main job's SmolLM2-135M-Instruct)")
+    ap.add_argument("--model", help="converted model.onnx or its folder, tokenizer beside it "
+                                 "(default: the main job's SmolLM2-135M-Instruct)")
     ap.add_argument("--tokens", type=int, default=4096, help="teacher-forced tokens of the text (default 4096)")
     ap.add_argument("--chunk", type=int, default=16, help="tokens per teacher-forced run (default 16)")
     ap.add_argument("--modes", default="int8", help="comma-separated kv_quant modes (default int8)")
@@ -125,7 +151,7 @@ def main(argv=None):
 
     t_start = time.time()
     if args.model:
-        path = args.model
+        path = os.path.join(args.model, "model.onnx") if os.path.isdir(args.model) else args.model
     else:
         from onnx_light_ep.models.smollm2 import ensure_smollm2_onnx
 
@@ -137,25 +163,31 @@ def main(argv=None):
     tok = TextTokenizer.find([os.path.dirname(os.path.abspath(path))])
     if tok is None:
         raise SystemExit(f"eval_kv_quant: no tokenizer next to {path}")
+    bos = tok.prefix_ids()  # what the tokenizer puts before a text (Gemma-3: <bos>; SmolLM2: nothing)
     ids = tok.encode(real_text())
-    if len(ids) < args.tokens + 1:
+    if len(bos) + len(ids) < args.tokens + 1:
         raise SystemExit(f"eval_kv_quant: the text has {len(ids)} tokens, fewer than --tokens {args.tokens}")
-    text_ids = ids[:args.tokens]
+    text_ids = (bos + ids)[:args.tokens]
     import onnxruntime as ort
 
     so = ort.SessionOptions()
     so.log_severity_level = 3
     session = olep.InferenceSession(path, so)
-    ref_lp, ref_stats = teacher_forced_logprobs(session, meta, text_ids, args.chunk, {})
+    modes = [m for m in args.modes.split(",") if m]
+    runs = {NATIVE: {}}
+    for mode in modes:
+        runs[mode] = {"kv_quant": mode, "recent_tokens": args.recent_tokens, "sink_tokens": args.sink_tokens}
+    per_pos, stats = teacher_forced(session, meta, text_ids, args.chunk, runs)
+    ref_stats = stats[NATIVE]
     ask = tok.encode("\n\nSummarize the text above in a few sentences.\n")
     step = (len(ids) - args.prompt_tokens) // max(args.prompts, 1)
-    prompts = [ids[i * step:i * step + args.prompt_tokens] + ask for i in range(args.prompts)]
+    prompts = [bos + ids[i * step:i * step + args.prompt_tokens] + ask for i in range(args.prompts)]
     result = {"machine": machine_info(), "model": path, "text": "CPython pydoc_data/topics.py",
-              "settings": vars(args), "native_stats": ref_stats, "modes": {}}
-    for mode in [m for m in args.modes.split(",") if m]:
-        opts = {"kv_quant": mode, "recent_tokens": args.recent_tokens, "sink_tokens": args.sink_tokens}
-        lp, st = teacher_forced_logprobs(session, meta, text_ids, args.chunk, opts)
-        r = compare(ref_lp, lp, text_ids)
+              "settings": vars(args), "prefix_ids": bos, "native_stats": ref_stats, "modes": {}}
+    for mode in modes:
+        opts = runs[mode]
+        r = summarize(per_pos[mode])
+        st = stats[mode]
         r["stats"] = st
         r["greedy"] = greedy_agreement(path, session, prompts, args.new_tokens, opts)
         result["modes"][mode] = r
