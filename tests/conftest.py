@@ -8,6 +8,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import ort_utils  # noqa: E402
 
+# tests/optin holds the Gemma-3-270M model tests: collected only when the Gemma Terms of Use are
+# accepted (ONNX_LIGHT_ACCEPT_GEMMA_TERMS=1, onnx_light_ep.models.gemma3); otherwise not part of
+# the run at all (neither run nor reported as skipped).
+from onnx_light_ep.models.gemma3 import gemma_terms_accepted  # noqa: E402
+
+collect_ignore = [] if gemma_terms_accepted() else ["optin"]
+
 
 @pytest.fixture(scope="session")
 def olep():

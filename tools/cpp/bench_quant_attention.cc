@@ -1,18 +1,18 @@
-// int8 cold pages vs native pages, the attention kernel alone (no ORT): one decode step (1 query
-// row per query head; `group` query heads per kv head) over `heads` kv heads x enough layers for
-// the native pages to exceed 256 MiB, the same K/V values stored as native pages (dtype) and as
-// int8 pages (per-channel K scales, per-row V scales, the cache's layout: codes then scales),
-// pages placed in decode order, measured interleaved round by round; and the read time of each
-// layout's bytes (one sequential pass, stream_read) in the same rounds.
+// Quantized cold pages (int8, int4) vs native pages, the attention kernel alone (no ORT): one
+// decode step (1 query row per query head; `group` query heads per kv head) over `heads` kv heads
+// x enough layers for the native pages to exceed 256 MiB, the same K/V values stored as native
+// pages (dtype) and as the cache's int8 and int4 pages (quant::quantize_page: the cache's own
+// codec and layouts), pages placed in decode order, measured interleaved round by round; and the
+// read time of each layout's bytes (one sequential pass, stream_read) in the same rounds.
 //
 //   bench_quant_attention [dtype=f16|f32|bf16] [context=8192] [page_tokens=256] [heads=32]
 //                         [group=1] [head_dim=128] [rounds=20] [qgroup=1] [layers]
 //
-// qgroup: int8 pages of that many consecutive blocks of one (layer, head) lie next to each
+// qgroup: quantized pages of that many consecutive blocks of one (layer, head) lie next to each
 // other (one stream across them), as a cache that quantizes blocks in groups would place them.
 //
-// Prints the median and minimum ms per layer-step of each layout, int8 / native, and each
-// layout against its own read time.
+// Prints the median and minimum ms per layer-step of each layout (int4 when head_dim is a
+// multiple of 32), each quantized layout / native, and each layout against its own read time.
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -28,6 +28,7 @@
 #include "bench_util.h"
 #include "kernels/attention.h"
 #include "kernels/stream_read.h"
+#include "kvcache/quantize.h"
 
 using namespace olep;
 using namespace olep::kernels;
@@ -37,11 +38,6 @@ namespace {
 using bench::huge_alloc;
 using bench::kHuge;
 using bench::median;
-
-int8_t code(float x, float s) {
-  if (s == 0.0f) return 0;
-  return static_cast<int8_t>(std::max(-127.0f, std::min(127.0f, std::nearbyint(x / s))));
-}
 
 }  // namespace
 
@@ -56,18 +52,35 @@ int main(int argc, char** argv) {
   const size_t row = static_cast<size_t>(D) * es;
   const int64_t blocks = (T + P - 1) / P;
   const size_t npage = 2 * static_cast<size_t>(P) * row;
-  const size_t qpage = (2 * static_cast<size_t>(P * D) + 4 * static_cast<size_t>(D + P) + 63) / 64 * 64;
+  // the cache's geometry for the codec (one layer, one head: only the page layout matters)
+  CacheGeometry g;
+  g.num_layers = g.batch_size = g.kv_num_heads = 1;
+  g.head_dim = g.v_head_dim = D;
+  g.max_sequence_length = T;
+  g.dtype = dtype;
+  g.page_tokens = P;
+  const bool with_int4 = D % 32 == 0;
+  std::vector<KVQuant> modes = {KVQuant::kInt8};
+  if (with_int4) modes.push_back(KVQuant::kInt4);
+  std::vector<size_t> qpage;
+  for (KVQuant m : modes) {
+    g.kv_quant = m;
+    qpage.push_back(static_cast<size_t>(g.quant_page_bytes()));
+  }
   // layers: enough for the native pages to exceed 256 MiB, or argv[9] (1 with a small context and
   // few heads keeps everything in the caches: the compute time alone)
   const int64_t layers = argc > 9 ? std::atoll(argv[9])
                                   : std::max<int64_t>(1, (256ll << 20) / (static_cast<int64_t>(npage) * blocks * heads));
   const int64_t units = heads * layers;
+  const int64_t qslots = units * ((blocks + qgroup - 1) / qgroup * qgroup);
   char* native = huge_alloc(static_cast<size_t>(units * blocks) * npage);
-  char* quant = huge_alloc(static_cast<size_t>(units * ((blocks + qgroup - 1) / qgroup * qgroup)) * qpage);
+  std::vector<char*> quant;
+  for (size_t m = 0; m < modes.size(); ++m) quant.push_back(huge_alloc(static_cast<size_t>(qslots) * qpage[m]));
   std::mt19937 rng(1);
   std::normal_distribution<float> nd;
-  std::vector<float> k(static_cast<size_t>(P * D)), v(k.size()), ks(static_cast<size_t>(D)), vs(static_cast<size_t>(P));
-  std::vector<std::vector<KVBlock>> nl(static_cast<size_t>(units)), ql(static_cast<size_t>(units));
+  std::vector<float> k(static_cast<size_t>(P * D)), v(k.size());
+  std::vector<std::vector<KVBlock>> nl(static_cast<size_t>(units));
+  std::vector<std::vector<std::vector<KVBlock>>> ql(modes.size(), std::vector<std::vector<KVBlock>>(static_cast<size_t>(units)));
   auto put = [&](char* dst, size_t i, float x) {
     if (dtype == DType::kFloat32) std::memcpy(dst + i * 4, &x, 4);
     else {
@@ -87,33 +100,18 @@ int main(int argc, char** argv) {
         put(np, i, k[i]);
         put(np + npage / 2, i, v[i]);
       }
-      // int8 pages of `qgroup` consecutive blocks of one (layer, head) adjacent in memory
-      const int64_t slot = (b / qgroup * units + u) * qgroup + b % qgroup;
-      char* qp = quant + static_cast<size_t>(slot) * qpage;
-      int8_t* kq = reinterpret_cast<int8_t*>(qp);
-      int8_t* vq = kq + P * D;
-      float* kss = reinterpret_cast<float*>(qp + 2 * P * D);
-      float* vss = kss + D;
-      for (int64_t d = 0; d < D; ++d) {
-        float m = 0;
-        for (int64_t r = 0; r < P; ++r) m = std::max(m, std::fabs(k[static_cast<size_t>(r * D + d)]));
-        kss[d] = m / 127.0f;
-      }
-      for (int64_t r = 0; r < P; ++r) {
-        float m = 0;
-        for (int64_t d = 0; d < D; ++d) m = std::max(m, std::fabs(v[static_cast<size_t>(r * D + d)]));
-        vss[r] = m / 127.0f;
-        for (int64_t d = 0; d < D; ++d) {
-          kq[r * D + d] = code(k[static_cast<size_t>(r * D + d)], kss[d]);
-          vq[int8_value_index(D, r, d)] = code(v[static_cast<size_t>(r * D + d)], vss[r]);
-        }
-      }
       nl[static_cast<size_t>(u)].push_back(KVBlock{np, np + npage / 2, b * P, n});
-      KVBlock qb{kq, vq, b * P, n};
-      qb.encoding = KVEncoding::kInt8;
-      qb.key_scale = kss;
-      qb.value_scale = vss;
-      ql[static_cast<size_t>(u)].push_back(qb);
+      // quantized pages of `qgroup` consecutive blocks of one (layer, head) adjacent in memory
+      const int64_t slot = (b / qgroup * units + u) * qgroup + b % qgroup;
+      for (size_t m = 0; m < modes.size(); ++m) {
+        g.kv_quant = modes[m];
+        char* qp = quant[m] + static_cast<size_t>(slot) * qpage[m];
+        if (!quant::quantize_page(g, np, qp)) {
+          std::fprintf(stderr, "bench_quant_attention: a page did not quantize\n");
+          return 1;
+        }
+        ql[m][static_cast<size_t>(u)].push_back(quant::quant_block(g, qp, b * P, 0, n));
+      }
     }
 
   bench::DecodeStep dstep(args);
@@ -134,24 +132,31 @@ int main(int argc, char** argv) {
     }
   };
   struct Variant {
-    const char* name;
-    int kind;  // 0 native attention, 1 int8 attention, 2 read native bytes, 3 read int8 bytes
+    std::string name;
+    int kind;  // 0 attention, 1 read
+    int layout;  // 0 native, 1 + m: quantized mode m
     std::vector<double> ms;
   };
-  std::vector<Variant> vars = {{"native", 0, {}}, {"int8", 1, {}}, {"read native", 2, {}}, {"read int8", 3, {}}};
+  std::vector<Variant> vars = {{"native", 0, 0, {}}, {"read native", 1, 0, {}}};
+  for (size_t m = 0; m < modes.size(); ++m) {
+    vars.push_back({kv_quant_name(modes[m]), 0, static_cast<int>(m) + 1, {}});
+    vars.push_back({std::string("read ") + kv_quant_name(modes[m]), 1, static_cast<int>(m) + 1, {}});
+  }
   const size_t nbytes_layer = static_cast<size_t>(heads * blocks) * npage;
-  const size_t qbytes_layer = static_cast<size_t>(heads * blocks) * qpage;
   volatile uint64_t sink = 0;
   for (int r = 0; r < rounds; ++r)
     for (size_t i = 0; i < vars.size(); ++i) {
       Variant& var = vars[(i + static_cast<size_t>(r)) % vars.size()];
       const auto t0 = std::chrono::steady_clock::now();
-      if (var.kind == 0 || var.kind == 1)
-        for (int64_t l = 0; l < layers; ++l) step(var.kind == 0 ? nl : ql, l);
-      else if (var.kind == 2)
+      if (var.kind == 0) {
+        for (int64_t l = 0; l < layers; ++l) step(var.layout == 0 ? nl : ql[static_cast<size_t>(var.layout - 1)], l);
+      } else if (var.layout == 0) {
         sink = sink + static_cast<uint64_t>(stream_read(native, nbytes_layer * static_cast<size_t>(layers)));
-      else
-        sink = sink + static_cast<uint64_t>(stream_read(quant, qbytes_layer * static_cast<size_t>(layers)));
+      } else {
+        const size_t m = static_cast<size_t>(var.layout - 1);
+        sink = sink + static_cast<uint64_t>(stream_read(quant[m], static_cast<size_t>(heads * blocks) * qpage[m] *
+                                                                      static_cast<size_t>(layers)));
+      }
       var.ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() /
                        static_cast<double>(layers));
     }
@@ -160,12 +165,15 @@ int main(int argc, char** argv) {
               static_cast<long long>(heads), static_cast<long long>(G), static_cast<long long>(D),
               static_cast<long long>(layers), rounds);
   for (const Variant& var : vars)
-    std::printf("  %-12s median %8.3f ms   min %8.3f ms\n", var.name, median(var.ms),
+    std::printf("  %-12s median %8.3f ms   min %8.3f ms\n", var.name.c_str(), median(var.ms),
                 *std::min_element(var.ms.begin(), var.ms.end()));
-  std::printf("  int8 / native x%.3f (min x%.3f); native / its read x%.3f; int8 / its read x%.3f\n",
-              median(vars[1].ms) / median(vars[0].ms),
-              *std::min_element(vars[1].ms.begin(), vars[1].ms.end()) /
-                  *std::min_element(vars[0].ms.begin(), vars[0].ms.end()),
-              median(vars[0].ms) / median(vars[2].ms), median(vars[1].ms) / median(vars[3].ms));
+  auto mn = [](const std::vector<double>& x) { return *std::min_element(x.begin(), x.end()); };
+  std::printf("  native / its read x%.3f\n", median(vars[0].ms) / median(vars[1].ms));
+  for (size_t m = 0; m < modes.size(); ++m) {
+    const Variant& q = vars[2 + 2 * m];
+    const Variant& qr = vars[3 + 2 * m];
+    std::printf("  %s / native x%.3f (min x%.3f); %s / its read x%.3f\n", q.name.c_str(), median(q.ms) / median(vars[0].ms),
+                mn(q.ms) / mn(vars[0].ms), q.name.c_str(), median(q.ms) / median(qr.ms));
+  }
   return 0;
 }
