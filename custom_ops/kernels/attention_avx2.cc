@@ -122,6 +122,16 @@ struct Avx2 {
   }
   static vf pair_lo(vf x) { return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(ci(x), 16), 16)); }
   static vf pair_hi(vf x) { return _mm256_cvtepi32_ps(_mm256_srai_epi32(ci(x), 16)); }
+  using vi = __m256i;
+  static vi izero() { return _mm256_setzero_si256(); }
+  static vi iwiden_i8(const int8_t* p) { return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static vi iwiden_u8(const uint8_t* p) { return _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static vi ilow_nibbles(vi x) { return _mm256_and_si256(x, _mm256_set1_epi16(15)); }
+  static vi ihigh_nibbles(vi x) { return _mm256_srli_epi16(x, 4); }
+  static vi iset1(int32_t x) { return _mm256_set1_epi32(x); }
+  static vi idot(vi acc, vi a, vi b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
+  static vf icvt(vi a) { return _mm256_cvtepi32_ps(a); }
+  static vi iadd(vi a, vi b) { return _mm256_add_epi32(a, b); }
   __attribute__((always_inline)) static vf transpose_reduce(const vf* acc) {
     vf w[4];
     for (int k = 0; k < 4; ++k)

@@ -34,6 +34,7 @@ struct Avx512Bf16 : Avx512 {
   static vf dot_bf16(vf acc, vf a, vf b) { return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b); }
   // VPDPWSSD (AVX512_VNNI, which every AVX512_BF16 CPU has): the pair dot and the add in one.
   static vf dot_i16(vf acc, vf a, vf b) { return cf(_mm512_dpwssd_epi32(ci(acc), ci(a), ci(b))); }
+  static vi idot(vi acc, vi a, vi b) { return _mm512_dpwssd_epi32(acc, a, b); }
 };
 
 }  // namespace

@@ -107,6 +107,17 @@ struct Avx512 {
   // The low / high int16 of every int32 lane, as float.
   static vf pair_lo(vf x) { return _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(ci(x), 16), 16)); }
   static vf pair_hi(vf x) { return _mm512_cvtepi32_ps(_mm512_srai_epi32(ci(x), 16)); }
+  // The same on integer-typed vectors (accumulators kept as vi: no float <-> int register copies).
+  using vi = __m512i;
+  static vi izero() { return _mm512_setzero_si512(); }
+  static vi iwiden_i8(const int8_t* p) { return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static vi iwiden_u8(const uint8_t* p) { return _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static vi ilow_nibbles(vi x) { return _mm512_and_si512(x, _mm512_set1_epi16(15)); }
+  static vi ihigh_nibbles(vi x) { return _mm512_srli_epi16(x, 4); }
+  static vi iset1(int32_t x) { return _mm512_set1_epi32(x); }
+  static vi idot(vi acc, vi a, vi b) { return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b)); }
+  static vf icvt(vi a) { return _mm512_cvtepi32_ps(a); }
+  static vi iadd(vi a, vi b) { return _mm512_add_epi32(a, b); }
   // out[t] = sum of the lanes of acc[t], t = 0..15.
   __attribute__((always_inline)) static vf transpose_reduce(const vf* acc) {
     vf w[8];

@@ -111,24 +111,25 @@ template <class V, int RB, int NU>
 OLEP_HOT void pv_block_i16(float* const* acc, const int16_t* const* words, const float* wscale, const float* corr,
                            const int8_t* pairs, int64_t Dv, int64_t npairs, TilePrefetch* pf) {
   using vf = typename V::vf;
+  using vi = typename V::vi;
   constexpr int W = V::W;
-  vf s[RB][NU];
+  vi s[RB][NU];
 #pragma GCC unroll 4
   for (int rr = 0; rr < RB; ++rr)
 #pragma GCC unroll 8
-    for (int u = 0; u < NU; ++u) s[rr][u] = V::zero();
+    for (int u = 0; u < NU; ++u) s[rr][u] = V::izero();
   for (int64_t k = 0; k < npairs; ++k) {
     pf->step();
-    vf vv[NU];
+    vi vv[NU];
 #pragma GCC unroll 8
-    for (int u = 0; u < NU; ++u) vv[u] = V::widen_i8(pairs + k * 2 * Dv + u * 2 * W);
+    for (int u = 0; u < NU; ++u) vv[u] = V::iwiden_i8(pairs + k * 2 * Dv + u * 2 * W);
 #pragma GCC unroll 4
     for (int rr = 0; rr < RB; ++rr) {
       int32_t w;
       std::memcpy(&w, words[rr] + 2 * k, sizeof(w));
-      const vf wb = V::set1_i32(w);
+      const vi wb = V::iset1(w);
 #pragma GCC unroll 8
-      for (int u = 0; u < NU; ++u) s[rr][u] = V::dot_i16(s[rr][u], vv[u], wb);
+      for (int u = 0; u < NU; ++u) s[rr][u] = V::idot(s[rr][u], vv[u], wb);
     }
   }
 #pragma GCC unroll 4
@@ -136,7 +137,7 @@ OLEP_HOT void pv_block_i16(float* const* acc, const int16_t* const* words, const
     const vf c = V::set1(corr[rr]), ws = V::set1(wscale[rr]);
 #pragma GCC unroll 8
     for (int u = 0; u < NU; ++u)
-      V::store(acc[rr] + u * W, V::fma(V::cvt_i32(s[rr][u]), ws, V::mul(V::load(acc[rr] + u * W), c)));
+      V::store(acc[rr] + u * W, V::fma(V::icvt(s[rr][u]), ws, V::mul(V::load(acc[rr] + u * W), c)));
   }
 }
 

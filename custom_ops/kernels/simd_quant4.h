@@ -37,8 +37,9 @@ inline void int4_permute_q(const int16_t* q16, int64_t D, int16_t* out) {
 
 // Raw fixed-point sums of one row (q16 permuted) against the W keys of a tile (rows of kp,
 // D / 2 bytes apart, rows past the valid ones zero): out[t] = sum_d q16[d] * code[t][d].
-template <class V>
-OLEP_COLD_REGS void scores_i4_walk(const int16_t* q, int64_t D, const uint8_t* kp, float* out, TilePrefetch* pf) {
+template <class V, int64_t kD>
+OLEP_COLD_REGS void scores_i4_walk_d(const int16_t* q, int64_t Drt, const uint8_t* kp, float* out, TilePrefetch* pf) {
+  const int64_t D = kD > 0 ? kD : Drt;  // kD > 0: a compile-time head_dim (unrolled inner loop)
   using vf = typename V::vf;
   constexpr int W = V::W;
   vf acc[W];
@@ -46,15 +47,27 @@ OLEP_COLD_REGS void scores_i4_walk(const int16_t* q, int64_t D, const uint8_t* k
   for (int t = 0; t < W; ++t) {
     pf->step();
     const uint8_t* kr = kp + t * (D / 2);
-    vf a0 = V::zero(), a1 = V::zero();
+    using vi = typename V::vi;
+    vi a0 = V::izero(), a1 = V::izero();
+#pragma GCC unroll 8
     for (int64_t d = 0; d < D; d += 4 * W) {
-      const vf x = V::widen_u8(kr + d / 2);
-      a0 = V::dot_i16(a0, V::load_raw_i16(q + d), V::low_nibbles(x));
-      a1 = V::dot_i16(a1, V::load_raw_i16(q + d + 2 * W), V::high_nibbles(x));
+      const vi x = V::iwiden_u8(kr + d / 2);
+      vi qlo, qhi;
+      std::memcpy(&qlo, q + d, sizeof(qlo));
+      std::memcpy(&qhi, q + d + 2 * W, sizeof(qhi));
+      a0 = V::idot(a0, qlo, V::ilow_nibbles(x));
+      a1 = V::idot(a1, qhi, V::ihigh_nibbles(x));
     }
-    acc[t] = V::cvt_i32(V::add_i32(a0, a1));
+    acc[t] = V::icvt(V::iadd(a0, a1));
   }
   V::store(out, V::transpose_reduce(acc));
+}
+template <class V>
+OLEP_HOT void scores_i4_walk(const int16_t* q, int64_t D, const uint8_t* kp, float* out, TilePrefetch* pf) {
+  if (D == 128) scores_i4_walk_d<V, 128>(q, D, kp, out, pf);
+  else if (D == 64) scores_i4_walk_d<V, 64>(q, D, kp, out, pf);
+  else if (D == 256) scores_i4_walk_d<V, 256>(q, D, kp, out, pf);
+  else scores_i4_walk_d<V, 0>(q, D, kp, out, pf);
 }
 
 // RB rows x W keys, register blocks of RB rows x KB = W / RB keys: each unpacked K load serves
@@ -102,30 +115,31 @@ OLEP_HOT void pv_block_i4(float* const* acc, const int16_t* const* words, const 
                           const float* vbias, const uint8_t* pairs, int64_t Dv, int64_t load0, int64_t npairs,
                           TilePrefetch* pf) {
   using vf = typename V::vf;
+  using vi = typename V::vi;
   constexpr int W = V::W;
-  vf s[RB][2 * NU];
+  vi s[RB][2 * NU];
 #pragma GCC unroll 4
   for (int rr = 0; rr < RB; ++rr)
 #pragma GCC unroll 8
-    for (int u = 0; u < 2 * NU; ++u) s[rr][u] = V::zero();
+    for (int u = 0; u < 2 * NU; ++u) s[rr][u] = V::izero();
   for (int64_t k = 0; k < npairs; ++k) {
     pf->step();
-    vf lo[NU], hi[NU];
+    vi lo[NU], hi[NU];
 #pragma GCC unroll 8
     for (int u = 0; u < NU; ++u) {
-      const vf x = V::widen_u8(pairs + k * Dv + (load0 + u) * 2 * W);
-      lo[u] = V::low_nibbles(x);
-      hi[u] = V::high_nibbles(x);
+      const vi x = V::iwiden_u8(pairs + k * Dv + (load0 + u) * 2 * W);
+      lo[u] = V::ilow_nibbles(x);
+      hi[u] = V::ihigh_nibbles(x);
     }
 #pragma GCC unroll 4
     for (int rr = 0; rr < RB; ++rr) {
       int32_t w;
       std::memcpy(&w, words[rr] + 2 * k, sizeof(w));
-      const vf wb = V::set1_i32(w);
+      const vi wb = V::iset1(w);
 #pragma GCC unroll 8
       for (int u = 0; u < NU; ++u) {
-        s[rr][2 * u] = V::dot_i16(s[rr][2 * u], lo[u], wb);
-        s[rr][2 * u + 1] = V::dot_i16(s[rr][2 * u + 1], hi[u], wb);
+        s[rr][2 * u] = V::idot(s[rr][2 * u], lo[u], wb);
+        s[rr][2 * u + 1] = V::idot(s[rr][2 * u + 1], hi[u], wb);
       }
     }
   }
@@ -138,7 +152,7 @@ OLEP_HOT void pv_block_i4(float* const* acc, const int16_t* const* words, const 
       const int64_t L = load0 + u, base = 32 * (L / (16 / W)) + W * (L % (16 / W));
       for (int half = 0; half < 2; ++half) {
         float* o = acc[rr] + base + 16 * half;
-        V::store(o, V::add(V::fma(V::cvt_i32(s[rr][2 * u + half]), ws, V::mul(V::load(o), c)), vb));
+        V::store(o, V::add(V::fma(V::icvt(s[rr][2 * u + half]), ws, V::mul(V::load(o), c)), vb));
       }
     }
   }

@@ -44,10 +44,12 @@ OLEP_COLD_REGS void scores_rows(const typename Dot::qelem* qf, int64_t D, const 
     for (int g = 0; g < RB; ++g) std::memcpy(ptile + rows[rr] * W + g * KB, &x[g][rr * KB], KB * sizeof(float));
 }
 
-// One row against the tile, walking K row by row (sequential addresses).
-template <class V, class Dot>
-OLEP_COLD_REGS void scores_row_walk(const typename Dot::qelem* q, int64_t D, const typename Dot::kelem* kp, float* out,
-                                    TilePrefetch* pf) {
+// One row against the tile, walking K row by row (sequential addresses). kD > 0: head_dim is kD
+// (fully unrolled inner loop; scores_row_walk dispatches the common sizes).
+template <class V, class Dot, int64_t kD = 0>
+OLEP_COLD_REGS void scores_row_walk_d(const typename Dot::qelem* q, int64_t Drt, const typename Dot::kelem* kp,
+                                      float* out, TilePrefetch* pf) {
+  const int64_t D = kD > 0 ? kD : Drt;
   using vf = typename V::vf;
   constexpr int W = V::W, E = Dot::kStep;
   vf acc[W];
@@ -58,6 +60,7 @@ OLEP_COLD_REGS void scores_row_walk(const typename Dot::qelem* q, int64_t D, con
     vf a0 = Dot::mul(Dot::load_q(q), Dot::load_k(kr));
     vf a1 = V::zero();
     int64_t d = E;
+#pragma GCC unroll 8
     for (; d + E < D; d += 2 * E) {
       a1 = Dot::madd(a1, Dot::load_q(q + d), Dot::load_k(kr + d));
       a0 = Dot::madd(a0, Dot::load_q(q + d + E), Dot::load_k(kr + d + E));
@@ -66,6 +69,14 @@ OLEP_COLD_REGS void scores_row_walk(const typename Dot::qelem* q, int64_t D, con
     acc[t] = Dot::finish(Dot::add(a0, a1));
   }
   V::store(out, V::transpose_reduce(acc));
+}
+template <class V, class Dot>
+OLEP_HOT void scores_row_walk(const typename Dot::qelem* q, int64_t D, const typename Dot::kelem* kp, float* out,
+                              TilePrefetch* pf) {
+  if (D == 128) scores_row_walk_d<V, Dot, 128>(q, D, kp, out, pf);
+  else if (D == 64) scores_row_walk_d<V, Dot, 64>(q, D, kp, out, pf);
+  else if (D == 256) scores_row_walk_d<V, Dot, 256>(q, D, kp, out, pf);
+  else scores_row_walk_d<V, Dot, 0>(q, D, kp, out, pf);
 }
 
 // Most rows (group_size x valid query rows) the int8 fixed-point row path takes (its per-tile

@@ -22,7 +22,7 @@ import numpy as np
 
 from .. import _core
 
-_FLAGS_OF_INTEREST = ("avx2", "avx512f", "avx512bw", "avx512_bf16", "avx512_fp16", "amx_tile",
+_FLAGS_OF_INTEREST = ("avx2", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni", "avx512_fp16", "amx_tile",
                       "amx_bf16", "f16c", "fma")
 
 
