@@ -1,0 +1,160 @@
+"""Property tests: CacheAttention over quantized cold pages (int8, int4) at random geometry against
+the numpy model (tests/reference.py), at every ISA level this CPU has (the isa fixture).
+
+One step over a ``from_past`` cache (its cold full pages quantized when built): random head_dim
+(int4: multiples of 32; int8: any, including ones the SIMD fast paths do not divide), group
+sizes 1..20 (row path, tiled path, lanes path), several query rows with causal masks and
+local windows (first visible keys inside V row pairs), softcap, bool / additive masks, page
+sizes 32..512, partial last pages, sinks and recent windows.
+"""
+import functools
+import os
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import ort_utils
+from models import cache_attention_model
+from reference import assert_close, int8_pv_atol, np_dtype, quantize_page, ref_attn
+
+
+@functools.lru_cache(maxsize=64)
+def _session(hq, hkv, d, dv, dtype, causal, softcap, window, mask, threads=1):
+    import onnx_light_ep as olep
+
+    so = ort_utils.new_session_options()
+    so.intra_op_num_threads = threads
+    return ort_utils.make_ep_session(olep, cache_attention_model(
+        layer_count=1, q_num_heads=hq, kv_num_heads=hkv, head_dim=d, v_head_dim=dv, dtype=dtype,
+        with_mask=mask, is_causal=causal, softcap=softcap, local_window_size=window), so)
+
+
+def quantized_model(k, v, mode, P, R, S):
+    """Per (head) the float32 values attention sees and the int8_pages entries of ref_attn:
+    k [Hkv, T, D], v [Hkv, T, Dv] of the cache dtype, as from_past quantizes them."""
+    k = k.astype(np.float32).copy()
+    v = v.astype(np.float32).copy()
+    T = k.shape[1]
+    pages = []
+    for blk in range(-(-S // P), max(0, T - R) // P):
+        sl = slice(blk * P, (blk + 1) * P)
+        for h in range(k.shape[0]):
+            if np.all(np.isfinite(k[h, sl])) and np.all(np.isfinite(v[h, sl])) and \
+                    np.abs(k[h, sl]).max(initial=0) < 2.0 ** 126 and np.abs(v[h, sl]).max(initial=0) < 2.0 ** 126:
+                k[h, sl], v[h, sl], *meta = quantize_page(mode, k[h, sl], v[h, sl], codes=True)
+                pages.append((0, h, blk * P, *meta))
+    return k, v, pages
+
+
+def fixed_point(q, pages, mode):
+    """kernels/attention_internal.h int8_fixed_point: max |q| * max(scale, 1) * the largest K scale
+    (and int4 |minimum|) of the call's quantized pages < 1e30 (float32)."""
+    if not pages:
+        return False
+    f32 = np.float32
+    ks = max(float(np.max(p[4])) for p in pages)
+    if mode == "int4":
+        ks = max(ks, max(float(np.max(np.abs(p[5]))) for p in pages))
+    qm = f32(np.max(np.abs(q.astype(np.float32))))
+    return bool(qm * f32(max(1.0 / np.sqrt(q.shape[-1]), 1.0)) * f32(ks) < f32(1e30))
+
+
+@st.composite
+def cases(draw):
+    mode = draw(st.sampled_from(["int8", "int4"]))
+    dtype = draw(st.sampled_from(["float32", "float16", "bfloat16"]))
+    if mode == "int4":
+        d = 32 * draw(st.integers(1, 5))
+        dv = draw(st.sampled_from([d, 32 * draw(st.integers(1, 4))]))
+    else:
+        d = draw(st.sampled_from([8, 16, 24, 32, 40, 48, 64, 72, 96, 100, 128, 13, 1, 3]))
+        dv = draw(st.sampled_from([d, draw(st.integers(1, 80))]))
+    hkv = draw(st.integers(1, 2))
+    g = draw(st.integers(1, 20))
+    sq = draw(st.integers(1, 5))
+    P = draw(st.sampled_from([32, 64, 128, 256, 512]))
+    T = draw(st.integers(P, min(3 * P + 37, 1100)))
+    R = draw(st.sampled_from([0, 0, 1, 17, P]))
+    S = draw(st.sampled_from([0, 0, 1, P]))
+    causal = draw(st.sampled_from([0, 1]))
+    window = draw(st.sampled_from([-1, -1, 1, 2, 3, 7, 33, P + 1, T // 2 + 1]))
+    softcap = draw(st.sampled_from([0.0, 0.0, 5.0, 30.0]))
+    mask = draw(st.sampled_from([None, None, "bool", "float"]))
+    seed = draw(st.integers(0, 2 ** 31))
+    return dict(mode=mode, dtype=dtype, d=d, dv=dv, hkv=hkv, g=g, sq=sq, P=P, T=T, R=R, S=S, causal=causal,
+                window=window, softcap=softcap, mask=mask, seed=seed)
+
+
+def run_case(olep, c, isa, k=None, v=None, q=None, threads=1, scale_q=1.0, new_v=1.0):
+    dt = np_dtype(c["dtype"])
+    hkv, hq, d, dv, sq, T = c["hkv"], c["hkv"] * c["g"], c["d"], c["dv"], c["sq"], c["T"]
+    rng = np.random.default_rng(c["seed"])
+    if k is None:
+        k = rng.standard_normal((1, hkv, T, d)).astype(dt)
+        v = rng.standard_normal((1, hkv, T, dv)).astype(dt)
+    if q is None:
+        q = (rng.standard_normal((1, hq, sq, d)) * scale_q).astype(dt)
+    kn = rng.standard_normal((1, hkv, sq, d)).astype(dt)
+    vn = (rng.standard_normal((1, hkv, sq, dv)) * new_v).astype(dt)
+    sess = _session(hq, hkv, d, dv, c["dtype"], c["causal"], c["softcap"], c["window"], c["mask"], threads)
+    feeds = {"query_0": q, "key_0": kn, "value_0": vn}
+    add = None
+    tot = T + sq
+    if c["mask"] == "bool":
+        m = rng.random((1, 1, sq, tot)) > 0.3
+        feeds["attn_mask"] = m
+        add = np.where(m, 0.0, -np.inf)
+    elif c["mask"] == "float":
+        m = rng.standard_normal((1, 1, sq, tot))
+        m = np.where(rng.random(m.shape) < 0.2, -np.inf, m).astype(dt)
+        feeds["attn_mask"] = m
+        add = m.astype(np.float64)
+    cache = olep.KVCache.from_past([k], [v], page_tokens=c["P"], kv_quant=c["mode"], recent_tokens=c["R"],
+                                   sink_tokens=c["S"], max_sequence_length=tot)
+    try:
+        y = ort_utils.run(sess, dict(feeds, kv_cache=cache.handle))["Y_0"]
+    finally:
+        cache.close()
+    mk, mv, pages = quantized_model(k[0], v[0], c["mode"], c["P"], c["R"], c["S"])
+    if not fixed_point(q, pages, c["mode"]):
+        pages = []  # the kernels score quantized pages on dequantized float32 K then
+    ref = ref_attn(q, kn, vn, mk[None], mv[None], causal=bool(c["causal"]),
+                   window=None if c["window"] < 0 else c["window"], softcap=c["softcap"], add_mask=add,
+                   int8_pages=pages)[0]
+    return y, ref, np.concatenate([mv, vn[0].astype(np.float32)], 1), pages
+
+
+EXAMPLES = int(os.environ.get("ONNX_LIGHT_FUZZ_EXAMPLES", "60"))
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+@given(c=cases())
+def test_quantized_attention_fuzz(c, olep, isa):
+    y, ref, vall, pages = run_case(olep, c, isa)
+    assert_close(y, ref, np_dtype(c["dtype"]), f"{c}", extra_atol=int8_pv_atol(isa, vall, c["mode"]))
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("g", [1, 4, 16])
+@pytest.mark.parametrize("size", [1e-30, 1e-33, 1e-37])
+def test_tiny_values_keep_their_relative_accuracy(mode, g, size, olep, isa, request):
+    """Quantized pages whose V (and K) are tiny (|x| ~ 1e-33: P.V weights p * value_scale and the
+    fixed-point q * key_scale below 2^-100 / 32767): the 16-bit scaling factors must not overflow
+    float32 (a largest weight m < 2^-100 is scaled by 2^100 first, so 32767 / m stays finite). The
+    only visible keys are the quantized pages (the new row's value is 0): the error relative to
+    |V| is the normal one."""
+    if size < 1e-36 and isa != "scalar" and g < 16:
+        # known limitation: the SIMD row path's P.V weight scale w_max / 32767 (about 2^-22 max |V|)
+        # is a float32 denormal below max |V| ~ 2^-104 and loses relative precision there
+        request.applymarker(pytest.mark.xfail(strict=True, reason="P.V weight scale denormal"))
+    c = dict(mode=mode, dtype="float32", d=64, dv=64, hkv=1, g=g, sq=1, P=32, T=96, R=0, S=0, causal=1,
+             window=-1, softcap=0.0, mask=None, seed=1)
+    rng = np.random.default_rng(0)
+    k = (rng.standard_normal((1, 1, 96, 64)) * size).astype(np.float32)
+    v = (rng.standard_normal((1, 1, 96, 64)) * size).astype(np.float32)
+    y, ref, vall, pages = run_case(olep, c, isa, k=k, v=v, new_v=0.0)
+    assert len(pages) == 3
+    assert_close(y / size, ref / size, np.float32, "relative to |V|",
+                 extra_atol=int8_pv_atol(isa, vall / size, mode))
