@@ -68,8 +68,8 @@ def int8_query(qs, ks):
     m = (m * pre).astype(f32)
     with np.errstate(divide="ignore"):
         inv = np.where(m > 0, qmax / np.where(m > 0, m, f32(1)), f32(0)).astype(f32)
-    fac = (pre * inv).astype(f32)
-    q16 = np.rint((x * fac[..., None]).astype(f32)).astype(np.int64)
+    # x * pre first (exact), then * inv, as the kernels: pre * inv overflows float32 for m below about 2^-113
+    q16 = np.rint(((x * pre[..., None]).astype(f32) * inv[..., None]).astype(f32)).astype(np.int64)
     sq = ((m / qmax).astype(f32) / pre).astype(f32)
     return q16, sq
 

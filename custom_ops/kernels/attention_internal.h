@@ -103,7 +103,8 @@ inline float int8_query_max(int64_t head_dim) {
 /// x_d = qs[d] * key_scale[d] (float32; qs = q * scale, or q alone with softcap), m = max |x_d|,
 /// q16[d] = round_half_even(x_d * (qmax / m)) (qmax = int8_query_max), returns sq = m / qmax, so
 /// that q . k = sq * sum_d q16[d] * code[d] (exact int32 sums) up to |x_d - sq * q16[d]| <= sq / 2.
-/// (A max below 2^-100 is first scaled by 2^100, exactly, so qmax / m stays finite.) The SIMD
+/// (A max below 2^-100 is first scaled by 2^100, exactly, and so is each x_d before the
+/// multiply by qmax / m, so that no factor overflows.) The SIMD
 /// levels compute the same q16 and sq with the same float32 operations.
 inline float int8_query(const float* qs, const float* key_scale, int64_t D, int16_t* q16) {
   float m = 0.0f;
@@ -112,8 +113,8 @@ inline float int8_query(const float* qs, const float* key_scale, int64_t D, int1
   const float pre = m < 0x1p-100f ? 0x1p100f : 1.0f;
   m *= pre;
   const float inv = m > 0.0f ? qmax / m : 0.0f;
-  const float f = pre * inv;
-  for (int64_t d = 0; d < D; ++d) q16[d] = static_cast<int16_t>(std::nearbyint((qs[d] * key_scale[d]) * f));
+  // x_d * pre first (exact), then * inv: pre * inv itself overflows float32 for m below about 2^-113
+  for (int64_t d = 0; d < D; ++d) q16[d] = static_cast<int16_t>(std::nearbyint(((qs[d] * key_scale[d]) * pre) * inv));
   return m / qmax / pre;
 }
 

@@ -235,7 +235,8 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
               const float pre = m < 0x1p-100f ? 0x1p100f : 1.0f;
               m *= pre;
               const float inv = m > 0.0f ? qmax / m : 0.0f;
-              for (int64_t d = 0; d < D; d += W) V::round_i16(q16 + r * D + d, V::mul(V::load(t + d), V::set1(pre * inv)));
+              for (int64_t d = 0; d < D; d += W)
+                V::round_i16(q16 + r * D + d, V::mul(V::mul(V::load(t + d), V::set1(pre)), V::set1(inv)));
               qsc[r] = m / qmax / pre;
             }
           scaled_blk = kc.blk;
@@ -459,7 +460,8 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
             float m = V::reduce_max(p);
             const float pre = m < 0x1p-100f ? 0x1p100f : 1.0f;
             m *= pre;
-            V::round_i16(w + par, V::mul(p, V::set1(m > 0.0f ? pre * (32767.0f / m) : 0.0f)));
+            // (p * pre first, exactly: pre * (32767 / m) overflows float32 for m below about 2^-113)
+            V::round_i16(w + par, V::mul(V::mul(p, V::set1(pre)), V::set1(m > 0.0f ? 32767.0f / m : 0.0f)));
             wscale[nrows] = m / 32767.0f / pre;
             cs[nrows] = corr[r];
             vb[nrows] = kCodes4 ? vbias[r] : 0.0f;
