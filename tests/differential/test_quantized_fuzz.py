@@ -173,3 +173,40 @@ def test_split_kv_threads_bit_identical(mode, g, sq, window, dtype, olep, isa):
     assert pages
     np.testing.assert_array_equal(y1, y2)
     assert_close(y1, ref, np_dtype(dtype), "split kv", extra_atol=int8_pv_atol(isa, vall, mode))
+
+
+@settings(max_examples=max(4, EXAMPLES // 6), deadline=None, suppress_health_check=list(HealthCheck))
+@given(mode=st.sampled_from(["int8", "int4"]), dtype=st.sampled_from(["float32", "float16", "bfloat16"]),
+       g=st.sampled_from([1, 3, 16]), W=st.integers(1, 150), R=st.sampled_from([0, 5, 40]),
+       S=st.sampled_from([0, 3]), rollback=st.sampled_from([0, 7]),
+       steps=st.lists(st.integers(1, 70), min_size=2, max_size=12), seed=st.integers(0, 2 ** 31))
+def test_sliding_window_eviction_with_quantized_pages(mode, dtype, g, W, R, S, rollback, steps, seed, olep, isa):
+    """Steps through a sliding-window cache (sliding_window=W, attended with local_window_size=W)
+    whose cold pages are quantized as they age and released as they leave the window: every
+    step's output matches the model (windows begin mid-page, inside V row pairs)."""
+    from test_quantized_pages import Model
+
+    dt = np_dtype(dtype)
+    Hkv, D, P = 1, 64, 32
+    Hq = g * Hkv
+    rng = np.random.default_rng(seed)
+    sess = _session(Hq, Hkv, D, D, dtype, 1, 0.0, W, None)
+    total = sum(steps)
+    cache = olep.KVCache(1, 1, Hkv, D, dtype=dtype, max_sequence_length=total + 8, page_tokens=P, kv_quant=mode,
+                         recent_tokens=R, sink_tokens=S, sliding_window=W, rollback_tokens=rollback)
+    m = Model(Hkv, D, dt, P, R, S, mode)
+    try:
+        for i, n in enumerate(steps):
+            q = rng.standard_normal((1, Hq, n, D)).astype(dt)
+            k = rng.standard_normal((1, Hkv, n, D)).astype(dt)
+            v = rng.standard_normal((1, Hkv, n, D)).astype(dt)
+            y = ort_utils.run(sess, {"query_0": q, "key_0": k, "value_0": v, "kv_cache": cache.handle})["Y_0"]
+            m.append(k[0], v[0])
+            T = m.k.shape[1]
+            ref = ref_attn(q, m.k[None, :, T - n:], m.v[None, :, T - n:], m.k[None, :, :T - n], m.v[None, :, :T - n],
+                           causal=True, window=W, int8_pages=m.int8_pages())[0]
+            lo = max(0, T - n - W + 1)
+            assert_close(y, ref, dt, f"step {i}", extra_atol=int8_pv_atol(isa, m.v[:, lo:], mode))
+            m.commit()
+    finally:
+        cache.close()
