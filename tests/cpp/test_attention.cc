@@ -692,6 +692,58 @@ void int8_blocks_match_model() {
   }
 }
 
+// An int8 block at an odd head_dim with an odd number of query rows (G * S * D odd): the scalar
+// level's per-row float arrays after its int16 q16 rows must stay 4-byte aligned (UBSan), and
+// the output matches a float64 model on the dequantized values (fixed-point scores: 1e-3).
+void int8_odd_head_dim() {
+  const int64_t D = 13, P = 64;
+  for (int64_t G : {1, 3}) {
+    std::mt19937 rng(static_cast<uint32_t>(70 + G));
+    std::normal_distribution<float> nd;
+    std::uniform_int_distribution<int> code(-127, 127);
+    std::vector<float> q(static_cast<size_t>(G * D)), ks(static_cast<size_t>(D)), vs(static_cast<size_t>(P));
+    for (auto& x : q) x = nd(rng);
+    for (auto& x : ks) x = 0.01f + 0.05f * std::fabs(nd(rng));
+    for (auto& x : vs) x = 0.01f + 0.05f * std::fabs(nd(rng));
+    std::vector<int8_t> k8(static_cast<size_t>(P * D)), v8(k8.size());
+    for (auto& c : k8) c = static_cast<int8_t>(code(rng));
+    for (auto& c : v8) c = static_cast<int8_t>(code(rng));
+    KVBlock b{k8.data(), v8.data(), 0, P};
+    b.encoding = KVEncoding::kInt8;
+    b.key_scale = ks.data();
+    b.value_scale = vs.data();
+    std::vector<float> out(static_cast<size_t>(G * D));
+    AttentionGroup a;
+    a.dtype = DType::kFloat32;
+    a.q = q.data(); a.q_head_stride = D; a.q_row_stride = D;
+    a.out = out.data(); a.out_head_stride = D; a.out_row_stride = D;
+    a.group_size = G; a.num_rows = 1; a.num_valid_rows = 1; a.q_offset = P - 1; a.num_keys = P;
+    a.blocks = &b; a.num_blocks = 1;
+    a.head_dim = D; a.v_head_dim = D; a.scale = 0.3f; a.is_causal = true;
+    std::vector<float> scratch(static_cast<size_t>(attend_group_floats(a)));
+    attend_group(a, scratch.data());
+    for (int64_t h = 0; h < G; ++h) {
+      std::vector<double> sc(static_cast<size_t>(P));
+      double mx = -INFINITY, l = 0.0;
+      for (int64_t j = 0; j < P; ++j) {
+        double s = 0.0;
+        for (int64_t d = 0; d < D; ++d)
+          s += static_cast<double>(q[static_cast<size_t>(h * D + d)]) * k8[static_cast<size_t>(j * D + d)] * ks[static_cast<size_t>(d)];
+        sc[static_cast<size_t>(j)] = s * 0.3;
+        mx = std::max(mx, sc[static_cast<size_t>(j)]);
+      }
+      std::vector<double> o(static_cast<size_t>(D), 0.0);
+      for (int64_t j = 0; j < P; ++j) {
+        const double p = std::exp(sc[static_cast<size_t>(j)] - mx);
+        l += p;
+        for (int64_t d = 0; d < D; ++d)
+          o[static_cast<size_t>(d)] += p * v8[static_cast<size_t>(int8_value_index(D, j, d))] * vs[static_cast<size_t>(j)];
+      }
+      for (int64_t d = 0; d < D; ++d) CHECK_NEAR(out[static_cast<size_t>(h * D + d)], o[static_cast<size_t>(d)] / l, 1e-3);
+    }
+  }
+}
+
 // One valid row among padding rows (a ragged multi-row step, MHA): the row path must not take
 // the one-row page chunk, whose scores scratch_floats sizes for a single row (ASan: overflow).
 void one_valid_row_among_padding() {
@@ -724,6 +776,7 @@ void one_valid_row_among_padding() {
 
 void run_all() {
   int8_blocks_match_model();
+  int8_odd_head_dim();
   one_valid_row_among_padding();
   uint32_t seed = 1;
   for (int64_t G : {1, 4})
