@@ -24,7 +24,7 @@ void attend_range_scalar(const AttentionGroup& a, int64_t key_begin, int64_t key
   // q16 [G * S, D] and sq [G * S] after vf, for the block in q16_blk
   const bool fixed = int8_fixed_point(a);
   int16_t* q16 = reinterpret_cast<int16_t*>(vf + Dv);
-  float* sq = reinterpret_cast<float*>(q16 + G * S * D);
+  float* sq = reinterpret_cast<float*>(q16 + (G * S * D + 1) / 2 * 2);  // 4-byte aligned (G * S * D may be odd)
   float* qbias = sq + G * S;  // int4: sum_d q[d] * scale * key_min[d] per row
   int64_t q16_blk = -1;
   const float lowest = lowest_of(a.mask.dtype);
