@@ -412,8 +412,10 @@ class KVCache(NativeHandle):
 
         Raises:
             ValueError: the file is missing, not a cache file (magic), of another
-                format version, has a bad geometry, the wrong size (truncated)
-                or a checksum mismatch; the text names which. Nothing is created.
+                format version, has a bad geometry, the wrong size (truncated),
+                a checksum mismatch, or a quantized page its codec cannot have written
+                (a NaN or negative scale, int8 code -128); the text names which.
+                Nothing is created.
             KVCacheMemoryError: the pool's budget cannot hold it (nothing changes).
         """
         import os

@@ -19,7 +19,8 @@
 //   u64           checksum of every byte before it (64-bit FNV-1a over 8-byte words)
 // save() writes to "<path>.tmp" and renames it over `path`, so a reader never sees a partial
 // file. load() checks magic, version, every geometry field, the exact file size and the
-// checksum; on any mismatch it throws std::invalid_argument naming what is wrong and creates
+// checksum, and that each quantized page holds only what its codec writes (quant::valid_page); on
+// any mismatch it throws std::invalid_argument naming what is wrong and creates
 // nothing (the pool is left as it was; the file is only read).
 #include <cstdio>
 #include <cstring>
@@ -30,6 +31,7 @@
 
 #include "kvcache/errors.h"
 #include "kvcache/kv_cache.h"
+#include "kvcache/quantize.h"
 
 namespace olep {
 namespace {
@@ -302,6 +304,8 @@ std::unique_ptr<KVCache> KVCache::load(const std::string& path, std::shared_ptr<
   c.lens = lens;
   size_t kn = 0, kq = 0;
   e = 0;
+  // Thrown once every page is in a table (the cache's destructor then releases them all).
+  std::string bad_page;
   for (int64_t l = 0; l < L; ++l)
     for (int64_t b = 0; b < B; ++b) {
       PageTable& t = c.table(l, b, B);
@@ -320,6 +324,8 @@ std::unique_ptr<KVCache> KVCache::load(const std::string& path, std::shared_ptr<
           Page* pg = t.at(blk, h, H);
           if (pg->encoding != 0) {
             r.get(pg->data, static_cast<size_t>(qbytes), "rows");
+            if (bad_page.empty() && !quant::valid_page(g, pg->data))
+              bad_page = "layer " + str(l) + ", sequence " + str(b) + ", head " + str(h) + ", block " + str(blk);
           } else {
             const size_t n = static_cast<size_t>(std::min(P, len - blk * P));
             r.get(pg->data, n * krow, "rows");
@@ -331,6 +337,10 @@ std::unique_ptr<KVCache> KVCache::load(const std::string& path, std::shared_ptr<
   uint64_t stored = 0;
   if (std::fread(&stored, 1, sizeof(stored), file.f) != sizeof(stored) || stored != sum)
     throw std::invalid_argument(path + ": checksum mismatch (the file is corrupted)");
+  if (!bad_page.empty())
+    throw std::invalid_argument(path + ": the quantized page of " + bad_page +
+                                " holds values its codec never writes (a NaN, infinite or negative scale, a"
+                                " non-finite minimum or int8 code -128): the file is corrupted");
   cache->bytes_appended_ = 0;
   cache->quantize_cold_locked();  // as after a commit (a file written by an earlier policy run)
   return cache;

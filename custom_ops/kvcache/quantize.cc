@@ -125,6 +125,24 @@ bool quantize_page(const CacheGeometry& g, const char* src, char* dst) {
   return g.kv_quant == KVQuant::kInt4 ? quantize_page_int4(g, src, dst) : quantize_page_int8(g, src, dst);
 }
 
+bool valid_page(const CacheGeometry& g, const char* page) {
+  const int64_t D = g.head_dim, P = g.page_tokens;
+  const bool int4 = g.kv_quant == KVQuant::kInt4;
+  std::vector<float> meta(static_cast<size_t>((int4 ? 2 : 1) * (D + P)));
+  std::memcpy(meta.data(), page + g.quant_scale_offset(), meta.size() * sizeof(float));
+  const size_t scales = static_cast<size_t>(D + P);
+  for (size_t i = 0; i < meta.size(); ++i) {
+    const float x = meta[i];
+    if (i < scales ? !(x >= 0.0f && x < 0x1p126f) : !(std::fabs(x) < 0x1p126f)) return false;
+  }
+  if (!int4) {
+    const int8_t* codes = reinterpret_cast<const int8_t*>(page);
+    for (int64_t i = 0; i < g.quant_scale_offset(); ++i)
+      if (codes[i] == -128) return false;
+  }
+  return true;
+}
+
 void dequantize_block(const CacheGeometry& g, const KVBlock& kb, void* k_out, void* v_out) {
   const int64_t D = g.head_dim, Dv = g.v_head_dim;
   const size_t es = g.elem_bytes();

@@ -37,6 +37,12 @@ namespace quant {
 /// hold inf or NaN, and the scale arithmetic could round up to inf).
 bool quantize_page(const CacheGeometry& g, const char* src, char* dst);
 
+/// Whether a quantized page (g.kv_quant, g.quant_page_bytes()) holds only what quantize_page
+/// writes: K/V scales in [0, 2^126), int4 minimums of magnitude < 2^126 (finite), int8 codes in
+/// [-127, 127]. The kernels rely on it (scales >= 0; int32 sums of |code| <= 127); load()
+/// refuses a file with a page that does not.
+bool valid_page(const CacheGeometry& g, const char* page);
+
 /// The rows of a quantized block (quant_block), dequantized to the cache dtype into contiguous
 /// rows: K [num_rows, head_dim] at k_out, V [num_rows, v_head_dim] at v_out.
 void dequantize_block(const CacheGeometry& g, const KVBlock& kb, void* k_out, void* v_out);

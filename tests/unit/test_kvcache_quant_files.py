@@ -2,7 +2,7 @@
 its payload is changed must still hold only quantized pages the codec can write (docs/API.md,
 "Quantized pages"): scales finite and >= 0, int4 minimums finite, int8 codes in [-127, 127].
 A page outside that (a NaN or negative scale, code -128) is refused, as a bad header is, since
-the kernels rely on it (scales >= 0, |code| <= 127 for their int32 sums)."""
+the kernels rely on it (scales >= 0, |code| <= 127 for their int32 sums); the pool keeps nothing."""
 import struct
 
 import numpy as np
@@ -112,5 +112,9 @@ def test_crafted_quantized_pages_are_refused(tmp_path, mode):
         page[o:o + len(data)] = data
         bad = str(tmp_path / "bad.olkv")
         write(bad, chunks)
+        pool = olep.KVPool(page_tokens=32)
         with pytest.raises(ValueError, match="quantized page"):
-            olep.KVCache.load(bad)
+            olep.KVCache.load(bad, pool=pool)
+        st = pool.stats()  # nothing kept: every page allocated for the file went back
+        assert st["live_bytes"] == 0 and st["num_pages"] == 0 and st["num_caches"] == 0, (what, st)
+        pool.close()
