@@ -103,12 +103,13 @@ constexpr int64_t pv_passes(int64_t Dv) {
 // output row, the tile's weights w_t = p_t * value_scale_t are rounded to int16 relative to the
 // tile's largest, wq_t = round(w_t * 32767 / w_max) (relative error <= 2^-16 of w_max), and
 // each V row pair meets a pair of weights in one exact int32 pair dot product per channel
-// (V::dot_i16); o = o * corr + (w_max / 32767) * sum. `words` [RB] hold a row's int16 weights
+// (V::idot); o = o * corr + (w_max / 32767) * sum * wpre (wpre = 2^-100 for a tiny tile). `words` [RB] hold a row's int16 weights
 // laid out as the V pairs are (weight of pair row i at words[rr][i]), `npairs` pairs from
 // `pairs` (the V row pair of the tile's first key); sums stay below 2^31 (W / 2 + 1 pairs of
 // 2 * 32767 * 127).
 template <class V, int RB, int NU>
-OLEP_HOT void pv_block_i16(float* const* acc, const int16_t* const* words, const float* wscale, const float* corr,
+OLEP_HOT void pv_block_i16(float* const* acc, const int16_t* const* words, const float* wscale, const float* wpre,
+                           const float* corr,
                            const int8_t* pairs, int64_t Dv, int64_t npairs, TilePrefetch* pf) {
   using vf = typename V::vf;
   using vi = typename V::vi;
@@ -134,17 +135,18 @@ OLEP_HOT void pv_block_i16(float* const* acc, const int16_t* const* words, const
   }
 #pragma GCC unroll 4
   for (int rr = 0; rr < RB; ++rr) {
-    const vf c = V::set1(corr[rr]), ws = V::set1(wscale[rr]);
+    const vf c = V::set1(corr[rr]), ws = V::set1(wscale[rr]), wp = V::set1(wpre[rr]);
 #pragma GCC unroll 8
     for (int u = 0; u < NU; ++u)
-      V::store(acc[rr] + u * W, V::fma(V::icvt(s[rr][u]), ws, V::mul(V::load(acc[rr] + u * W), c)));
+      V::store(acc[rr] + u * W, V::fma(V::mul(V::icvt(s[rr][u]), ws), wp, V::mul(V::load(acc[rr] + u * W), c)));
   }
 }
 
 // pv_block_i16 over the whole Dv (a multiple of W): chunks of 8 vectors where the registers
 // allow (RB * 8 sums + 8 V vectors), then 4, 2, 1.
 template <class V, int RB>
-OLEP_HOT void pv_rows_i16(float* const* acc, const int16_t* const* words, const float* wscale, const float* corr,
+OLEP_HOT void pv_rows_i16(float* const* acc, const int16_t* const* words, const float* wscale, const float* wpre,
+                          const float* corr,
                           const int8_t* pairs, int64_t Dv, int64_t npairs, TilePrefetch* pf) {
   constexpr int W = V::W;
   constexpr bool kWide = (W >= 16 && RB <= 2) || RB == 1;
@@ -156,21 +158,21 @@ OLEP_HOT void pv_rows_i16(float* const* acc, const int16_t* const* words, const 
   if constexpr (kWide) {
     for (; d + 8 * W <= Dv; d += 8 * W) {
       point(d);
-      pv_block_i16<V, RB, 8>(at, words, wscale, corr, pairs + 2 * d, Dv, npairs, pf);
+      pv_block_i16<V, RB, 8>(at, words, wscale, wpre, corr, pairs + 2 * d, Dv, npairs, pf);
     }
   }
   for (; d + 4 * W <= Dv; d += 4 * W) {
     point(d);
-    pv_block_i16<V, RB, 4>(at, words, wscale, corr, pairs + 2 * d, Dv, npairs, pf);
+    pv_block_i16<V, RB, 4>(at, words, wscale, wpre, corr, pairs + 2 * d, Dv, npairs, pf);
   }
   if (d + 2 * W <= Dv) {
     point(d);
-    pv_block_i16<V, RB, 2>(at, words, wscale, corr, pairs + 2 * d, Dv, npairs, pf);
+    pv_block_i16<V, RB, 2>(at, words, wscale, wpre, corr, pairs + 2 * d, Dv, npairs, pf);
     d += 2 * W;
   }
   if (d + W <= Dv) {
     point(d);
-    pv_block_i16<V, RB, 1>(at, words, wscale, corr, pairs + 2 * d, Dv, npairs, pf);
+    pv_block_i16<V, RB, 1>(at, words, wscale, wpre, corr, pairs + 2 * d, Dv, npairs, pf);
   }
 }
 

@@ -111,7 +111,8 @@ OLEP_COLD_REGS void scores_i4_rows(const int16_t* q16, int64_t D, const uint8_t*
 // (load u covers channels int4 V lo / hi bases), plus each row's vbias = sum_t p_t * value_min_t
 // added to every channel: o = o * corr + wscale * sum + vbias.
 template <class V, int RB, int NU>
-OLEP_HOT void pv_block_i4(float* const* acc, const int16_t* const* words, const float* wscale, const float* corr,
+OLEP_HOT void pv_block_i4(float* const* acc, const int16_t* const* words, const float* wscale, const float* wpre,
+                          const float* corr,
                           const float* vbias, const uint8_t* pairs, int64_t Dv, int64_t load0, int64_t npairs,
                           TilePrefetch* pf) {
   using vf = typename V::vf;
@@ -145,14 +146,14 @@ OLEP_HOT void pv_block_i4(float* const* acc, const int16_t* const* words, const 
   }
 #pragma GCC unroll 4
   for (int rr = 0; rr < RB; ++rr) {
-    const vf c = V::set1(corr[rr]), ws = V::set1(wscale[rr]), vb = V::set1(vbias[rr]);
+    const vf c = V::set1(corr[rr]), ws = V::set1(wscale[rr]), wp = V::set1(wpre[rr]), vb = V::set1(vbias[rr]);
 #pragma GCC unroll 8
     for (int u = 0; u < NU; ++u) {
       // load L = load0 + u: 32-channel group L / (16 / W), W-channel slot L % (16 / W)
       const int64_t L = load0 + u, base = 32 * (L / (16 / W)) + W * (L % (16 / W));
       for (int half = 0; half < 2; ++half) {
         float* o = acc[rr] + base + 16 * half;
-        V::store(o, V::add(V::fma(V::icvt(s[rr][2 * u + half]), ws, V::mul(V::load(o), c)), vb));
+        V::store(o, V::add(V::fma(V::mul(V::icvt(s[rr][2 * u + half]), ws), wp, V::mul(V::load(o), c)), vb));
       }
     }
   }
@@ -161,14 +162,15 @@ OLEP_HOT void pv_block_i4(float* const* acc, const int16_t* const* words, const 
 // pv_block_i4 over the whole Dv (a multiple of 32): Dv / (2 W) loads per row pair, NU at a time
 // (RB * 2 * NU sums in registers).
 template <class V, int RB>
-OLEP_HOT void pv_rows_i4(float* const* acc, const int16_t* const* words, const float* wscale, const float* corr,
+OLEP_HOT void pv_rows_i4(float* const* acc, const int16_t* const* words, const float* wscale, const float* wpre,
+                         const float* corr,
                          const float* vbias, const uint8_t* pairs, int64_t Dv, int64_t npairs, TilePrefetch* pf) {
   constexpr int W = V::W;
   constexpr int NU = (W >= 16 ? (RB <= 2 ? 4 : 2) : (RB == 1 ? 4 : 2));
   const int64_t loads = Dv / (2 * W);
   int64_t l = 0;
-  for (; l + NU <= loads; l += NU) pv_block_i4<V, RB, NU>(acc, words, wscale, corr, vbias, pairs, Dv, l, npairs, pf);
-  for (; l < loads; ++l) pv_block_i4<V, RB, 1>(acc, words, wscale, corr, vbias, pairs, Dv, l, npairs, pf);
+  for (; l + NU <= loads; l += NU) pv_block_i4<V, RB, NU>(acc, words, wscale, wpre, corr, vbias, pairs, Dv, l, npairs, pf);
+  for (; l < loads; ++l) pv_block_i4<V, RB, 1>(acc, words, wscale, wpre, corr, vbias, pairs, Dv, l, npairs, pf);
 }
 
 }  // namespace simd

@@ -446,7 +446,7 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
         // (a tile starting at an odd page row begins with a zero weight for the row before).
         const int64_t par = vc.vpar, npairs = (par + n + 1) / 2;
         constexpr int64_t kStride = 2 * W + 2;
-        float wscale[kCodesMaxRows], cs[kCodesMaxRows], vb[kCodesMaxRows];
+        float wscale[kCodesMaxRows], wpre[kCodesMaxRows], cs[kCodesMaxRows], vb[kCodesMaxRows];
         float* accp[kCodesMaxRows];
         const int16_t* wp[kCodesMaxRows];
         int nrows = 0;  // rows in (query row, head) order, as the score loops take them
@@ -462,7 +462,8 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
             m *= pre;
             // (p * pre first, exactly: pre * (32767 / m) overflows float32 for m below about 2^-113)
             V::round_i16(w + par, V::mul(V::mul(p, V::set1(pre)), V::set1(m > 0.0f ? 32767.0f / m : 0.0f)));
-            wscale[nrows] = m / 32767.0f / pre;
+            wscale[nrows] = m / 32767.0f;  // (m scaled by pre: a normal float; 1 / pre applied after)
+            wpre[nrows] = 1.0f / pre;
             cs[nrows] = corr[r];
             vb[nrows] = kCodes4 ? vbias[r] : 0.0f;
             accp[nrows] = st->acc + r * Dv;
@@ -472,18 +473,18 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
         if constexpr (kCodes4) {
           const uint8_t* pairs4 = reinterpret_cast<const uint8_t*>(vc.vrows);
           for (; k + 2 <= nrows; k += 2)
-            pv_rows_i4<V, 2>(accp + k, wp + k, wscale + k, cs + k, vb + k, pairs4, Dv, npairs, &pf);
-          if (k < nrows) pv_rows_i4<V, 1>(accp + k, wp + k, wscale + k, cs + k, vb + k, pairs4, Dv, npairs, &pf);
+            pv_rows_i4<V, 2>(accp + k, wp + k, wscale + k, wpre + k, cs + k, vb + k, pairs4, Dv, npairs, &pf);
+          if (k < nrows) pv_rows_i4<V, 1>(accp + k, wp + k, wscale + k, wpre + k, cs + k, vb + k, pairs4, Dv, npairs, &pf);
           k = nrows;
         }
         const int8_t* pairs = reinterpret_cast<const int8_t*>(vc.vrows);
         // 4 rows per V load where the registers allow (16 sums + 4 V vectors), else 2, then 1
         if constexpr (W >= 16)
           for (; k + 4 <= nrows; k += 4)
-            pv_rows_i16<V, 4>(accp + k, wp + k, wscale + k, cs + k, pairs, Dv, npairs, &pf);
+            pv_rows_i16<V, 4>(accp + k, wp + k, wscale + k, wpre + k, cs + k, pairs, Dv, npairs, &pf);
         for (; k + 2 <= nrows; k += 2)
-          pv_rows_i16<V, 2>(accp + k, wp + k, wscale + k, cs + k, pairs, Dv, npairs, &pf);
-        if (k < nrows) pv_rows_i16<V, 1>(accp + k, wp + k, wscale + k, cs + k, pairs, Dv, npairs, &pf);
+          pv_rows_i16<V, 2>(accp + k, wp + k, wscale + k, wpre + k, cs + k, pairs, Dv, npairs, &pf);
+        if (k < nrows) pv_rows_i16<V, 1>(accp + k, wp + k, wscale + k, wpre + k, cs + k, pairs, Dv, npairs, &pf);
       } else {
         // 16-bit K/V: 4 rows per V load, so each V vector is converted once per 4 rows
         // (measured 5% faster for GQA 32/8 fp16); float32: 2 rows with whole-row chunks.
