@@ -364,7 +364,12 @@ class KVCache(NativeHandle):
 
         Reads ``num_layers``, ``kv_num_heads``, ``head_dim``, ``v_head_dim``
         and ``dtype`` from the model's ``onnx_light.*`` metadata
-        (``onnx_light_ep.rewrite._metadata``).
+        (``onnx_light_ep.rewrite._metadata``), and the per-layer attention
+        windows (``local_window_size`` of each layer's ``CacheAttention``): a
+        model with sliding-window layers gets ``sliding_window`` set to those
+        windows (None on full-attention layers), so their memory stays bounded
+        without the caller passing anything; an explicit ``sliding_window``
+        (None or 0 included) wins.
 
         Args:
             model: path of the converted model (weights are not loaded), an
@@ -391,6 +396,10 @@ class KVCache(NativeHandle):
                     "KVCache.for_model: max_sequence_length; expected an int (the model records no "
                     "onnx_light.max_position), got None"
                 )
+        if "sliding_window" not in options:
+            windows = [int(x.get("local_window_size") or -1) for x in meta.get("layers") or []]
+            if len(windows) == meta["num_layers"] and any(w > 0 for w in windows):
+                options["sliding_window"] = [w if w > 0 else None for w in windows]
         return cls(
             meta["num_layers"],
             batch_size,

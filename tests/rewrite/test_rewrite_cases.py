@@ -244,6 +244,21 @@ def test_c06_gqa_window_in_op_and_metadata(tmp_path, olep):
     assert_close(ob[1]["y"], oa[1]["y"], np.float32)
 
 
+def test_c06_for_model_turns_on_the_recorded_windows(tmp_path, olep):
+    """KVCache.for_model reads each layer's local_window_size from the metadata: a windowed model's
+    cache evicts by itself (bounded memory with no option passed); an explicit sliding_window wins."""
+    model = G.decoder(G.gqa_block, layers=2, window=40)
+    report, src, dst = H.convert_model(model, tmp_path, "c06fm")
+    assert [x["local_window_size"] for x in read_metadata(dst)["layers"]] == [40, 40]
+    with olep.KVCache.for_model(dst, 1, 512, page_tokens=32) as c:
+        assert c.sliding_window == [40, 40]
+    with olep.KVCache.for_model(dst, 1, 512, sliding_window=None) as c:
+        assert c.sliding_window is None
+    _, _, dst2 = H.convert_model(G.decoder(G.gqa_block, layers=2), tmp_path, "c06fm2")
+    with olep.KVCache.for_model(dst2, 1, 64) as c:
+        assert c.sliding_window is None
+
+
 def test_c06_window_for_decomposed_export_recorded_from_option(tmp_path):
     model = G.decoder(G.decomposed_block, opsets=(("", 18),))
     report, src, dst = H.convert_model(model, tmp_path, "c06d", sliding_window=3)
