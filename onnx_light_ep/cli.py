@@ -134,6 +134,16 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return 0 if result.ok else 1
 
 
+def _cache_options(args: argparse.Namespace):
+    opts = {}
+    if args.kv_quant:
+        opts["kv_quant"] = args.kv_quant
+    for name in ("recent_tokens", "sink_tokens"):
+        if getattr(args, name) is not None:
+            opts[name] = getattr(args, name)
+    return opts or None
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
     from .generate import GenerateError, generate
     from .rewrite import ConvertError
@@ -147,7 +157,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         res = generate(args.model, prompts, prompt_ids=_ids(args.prompt_ids), chat=args.chat,
                        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                        top_p=args.top_p, seed=args.seed, tokenizer_dir=args.tokenizer, stream=stream,
-                       progress=not args.quiet, threads=args.threads)
+                       progress=not args.quiet, threads=args.threads,
+                       cache_options=_cache_options(args))
     except GenerateError as e:
         print()
         part = e.partial
@@ -233,6 +244,12 @@ def _add_rewrite_commands(sub) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--tokenizer", default=None, metavar="DIR", help="folder with tokenizer.json")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--kv-quant", choices=("int8", "int4"), default=None,
+                   help="store cold KV pages quantized (docs/API.md 'Quantized pages')")
+    p.add_argument("--recent-tokens", type=int, default=None, help="with --kv-quant: newest positions kept native "
+                   "(default 128)")
+    p.add_argument("--sink-tokens", type=int, default=None, help="with --kv-quant: first positions kept native "
+                   "(default 4)")
     p.add_argument("--no-stream", action="store_true")
     p.add_argument("--ids", action="store_true", help="also print the generated token ids")
     p.add_argument("-q", "--quiet", action="store_true")

@@ -96,6 +96,23 @@ def sample_next(logits: np.ndarray, *, temperature: float = 0.0, top_k: int = 0,
     return out
 
 
+# KVCache.for_model keywords generate passes through (batch size and length come from the run).
+CACHE_OPTIONS = ("pool", "page_tokens", "sliding_window", "rollback_tokens", "kv_quant", "recent_tokens",
+                 "sink_tokens", "memory_limit_bytes")
+
+
+def _check_cache_options(cache_options) -> None:
+    if cache_options is None:
+        return
+    if not isinstance(cache_options, dict):
+        raise ValueError(f"generate: cache_options; expected a dict of KVCache options ({', '.join(CACHE_OPTIONS)}), "
+                         f"got {type(cache_options).__name__}")
+    bad = sorted(k for k in cache_options if k not in CACHE_OPTIONS)
+    if bad:
+        raise ValueError(f"generate: cache_options; unknown key(s) {', '.join(map(repr, bad))}: expected any of "
+                         f"{', '.join(CACHE_OPTIONS)} (batch size and length are set by the run)")
+
+
 def generate(model, prompt: Union[str, Sequence[str], None] = None, *,
              prompt_ids: Optional[Sequence[Sequence[int]]] = None, chat: bool = False, max_new_tokens: int = 128,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: Optional[int] = None,
@@ -117,7 +134,8 @@ def generate(model, prompt: Union[str, Sequence[str], None] = None, *,
         progress: tqdm bar (or stderr lines) when not streaming.
         session: an existing EP session of ``model`` to reuse.
         cache_options: keyword arguments for the run's :class:`KVCache`
-            (``KVCache.for_model``), e.g. ``{"kv_quant": "int8"}``.
+            (``KVCache.for_model``), e.g. ``{"kv_quant": "int8"}``: any of
+            ``CACHE_OPTIONS`` (the cache is sized by the run itself).
 
     Returns:
         :class:`GenerateResult`.
@@ -133,6 +151,7 @@ def generate(model, prompt: Union[str, Sequence[str], None] = None, *,
 
     if max_new_tokens < 1:
         raise ValueError(f"generate: max_new_tokens; expected >= 1, got {max_new_tokens}")
+    _check_cache_options(cache_options)
     if not (math.isfinite(temperature) and temperature >= 0.0):
         raise ValueError(f"generate: temperature; expected a finite number >= 0 (0 = greedy), got {temperature}")
     if top_k < 0 or not 0.0 < top_p <= 1.0:

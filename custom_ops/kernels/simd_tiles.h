@@ -34,6 +34,10 @@ struct TilePrefetch {
     k_bytes = kb;
     v_bytes = vb;
     done = 0;
+    if (kb + vb == 0) {  // nothing to fetch (one query row): no division on the per-tile path
+      per_step = 64;
+      return;
+    }
     const int64_t lines = (kb + vb + 63) / 64;
     per_step = 64 * std::max<int64_t>(1, (lines + steps - 1) / std::max<int64_t>(steps, 1));
   }
@@ -89,7 +93,7 @@ struct TileCursor {
     *b = bb;
     *start = s;
     *stop = e;
-    *count = std::min(e - s, tile - s % tile);
+    *count = std::min(e - s, tile - (s & (tile - 1)));  // tile: a power of two (W or kLaneTileKeys)
     return true;
   }
   bool next() {

@@ -103,7 +103,8 @@ def _require_terms(accept_gemma_terms: bool):
     if not gemma_terms_accepted(accept_gemma_terms):
         raise GemmaTermsNotAccepted(
             f"Gemma-3-270M is distributed under the Gemma Terms of Use ({TERMS_URL}); onnx-light-ep builds it "
-            f"only when you accept them: pass accept_gemma_terms=True or set {ACCEPT_ENV}=1")
+            f"only when you accept them: pass --accept-gemma-terms (python -m onnx_light_ep.models.gemma3), "
+            f"accept_gemma_terms=True (Python) or set {ACCEPT_ENV}=1")
 
 
 def _sha256(path: Path) -> str:

@@ -86,6 +86,36 @@ def test_generate_command(tmp_path, capsys):
     assert capsys.readouterr().out == first
 
 
+def test_generate_with_quantized_pages(tmp_path, capsys):
+    """--kv-quant int8 with every page cold (recent 0, sinks 0) on the mini decoder: greedy tokens
+    as the native cache's; int4 on its head_dim 8 is a usage error naming the rule; bad
+    cache_options from Python are ValueErrors naming cache_options."""
+    from onnx_light_ep.generate import generate
+
+    src = _model(tmp_path)
+    dst = str(tmp_path / "q.onnx")
+    assert main(["convert", src, "-o", dst]) == 0
+    capsys.readouterr()
+    ids = "3,4,5,6,7,8,9,10,11,12,13,14,15,16,17,18,19,20,21,22,23,24,25,26,27,28,29,30,31,32,33,34,35,36"
+    base = ["generate", dst, "--prompt-ids", ids, "--max-new-tokens", "6", "-q", "--no-stream"]
+    assert main(base) == 0
+    native = capsys.readouterr().out
+    assert main(base + ["--kv-quant", "int8", "--recent-tokens", "0", "--sink-tokens", "0"]) == 0
+    assert capsys.readouterr().out == native  # (default pages are larger than this run: all native)
+    prompt = [[int(x) for x in ids.split(",")]]
+    plain = generate(dst, prompt_ids=prompt, max_new_tokens=6, cache_options={"page_tokens": 32})
+    quant = generate(dst, prompt_ids=prompt, max_new_tokens=6, cache_options={
+        "page_tokens": 32, "kv_quant": "int8", "recent_tokens": 0, "sink_tokens": 0})  # page 0 quantized
+    assert quant.token_ids == plain.token_ids
+    assert main(base + ["--kv-quant", "int4"]) == 2
+    assert "multiples of 32" in capsys.readouterr().err
+    for bad, words in [("int8", "expected a dict"), ({"kv_quantt": "int8"}, "unknown key(s) 'kv_quantt'"),
+                       ({"batch_size": 3}, "unknown key(s) 'batch_size'")]:
+        with pytest.raises(ValueError, match=r"cache_options") as e:
+            generate(dst, prompt_ids=[[3, 4]], max_new_tokens=2, cache_options=bad)
+        assert words in str(e.value)
+
+
 def test_generate_matches_greedy_of_plain_ort(tmp_path):
     from onnx_light_ep.generate import generate
 
