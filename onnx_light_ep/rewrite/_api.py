@@ -157,6 +157,11 @@ def convert(input_path, output_path, *, keep_present: Sequence[str] = (), slidin
     for path, what in ((dst, "output_path"), (dst_data, "output external data file")):
         if os.path.realpath(path) in protected:
             raise ConvertError(f"convert: {what}; expected a file that is not part of the input model, got {path!r}")
+    done = sum(1 for n in original.graph.node if n.domain == "ai.onnx_light" and n.op_type == "CacheAttention")
+    if done:
+        raise ConvertError(f"convert: {src!r} is already converted: {done} CacheAttention node(s) "
+                           "(ai.onnx_light); run it as it is (onnx-light generate / compare) or convert the original "
+                           "export")
     keep = list(keep_present)
     outputs = {o.name for o in original.graph.output}
     for k in keep:

@@ -88,6 +88,10 @@ def test_cli_usage_errors_exit_2_without_traceback(tmp_path, capsys):
     convert(GENAI, dst)
     assert main(["compare", dst, "-q"]) == 2
     assert "is already converted" in capsys.readouterr().err
+    assert main(["convert", dst, "-o", str(tmp_path / "again.onnx")]) == 2
+    err = capsys.readouterr().err
+    n = sum(1 for x in onnx.load(dst, load_external_data=False).graph.node if x.op_type == "CacheAttention")
+    assert f"is already converted: {n} CacheAttention node(s)" in err and "no attention" not in err
 
 
 def test_external_data_through_a_symlink_is_a_clear_error(tmp_path):
