@@ -320,6 +320,19 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
       }
     }
 
+    // kCodes, one query row, a chunk of several tiles: P.V is deferred until the chunk's softmax
+    // is done, then the weights of every tile are rounded (independent per-tile maxima, no longer
+    // one tile's max -> rounding -> P.V chain between two tiles' P.V), then P.V runs tile by tile
+    // in order with each tile's rescale factor: the same arithmetic in the same order.
+    struct Deferred {
+      const char* vrows;
+      int64_t vpar, n;
+      int t;
+      float corr, vbias;
+    };
+    const bool defer = kCodes && tiles > 1 && R == 1 && 2 * W * (D + Dv) >= tiles * (2 * W + 2);
+    Deferred dq[kChunkKeys / 8];
+    int ndq = 0;
     for (int t = 0; t < tiles; ++t) {
       vc.next();
       const int64_t j0 = vc.j0, n = vc.n;
@@ -439,6 +452,10 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
         }
       }
       if (!any) continue;
+      if (kCodes && defer) {
+        dq[ndq++] = Deferred{vc.vrows, vc.vpar, n, t, corr[0], kCodes4 ? vbias[0] : 0.0f};
+        continue;
+      }
 
       // ---- weighted V accumulation, rescale fused; RB rows per V load ----
       if constexpr (kCodes) {
@@ -503,6 +520,35 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
         for (int k = 0; k < nr; ++k) {
           if (all_seen) pv_rows<V, KL, 1, false>(st->acc, rows + k, Dv, vp, ptile, 1, W, n, corr, &pf);
           else pv_rows<V, KL, 1, true>(st->acc, rows + k, Dv, vp, ptile, 1, W, n, corr, &pf);
+        }
+      }
+    }
+    if constexpr (kCodes) {
+      if (ndq > 0) {
+        constexpr int64_t kStride = 2 * W + 2;
+        int16_t* words = reinterpret_cast<int16_t*>(ktile);  // ktile + vtile: [ndq, kStride]
+        float ws[kChunkKeys / 8], wpr[kChunkKeys / 8];
+        for (int q = 0; q < ndq; ++q) {
+          int16_t* w = words + q * kStride;
+          w[0] = w[W] = w[W + 1] = 0;
+          const vf p = V::load(pchunk + dq[q].t * W);
+          float m = V::reduce_max(p);  // as the undeferred path rounds them
+          const float pre = m < 0x1p-100f ? 0x1p100f : 1.0f;
+          m *= pre;
+          V::round_i16(w + dq[q].vpar, V::mul(V::mul(p, V::set1(pre)), V::set1(m > 0.0f ? 32767.0f / m : 0.0f)));
+          ws[q] = m / 32767.0f;
+          wpr[q] = 1.0f / pre;
+        }
+        float* accp = st->acc;
+        for (int q = 0; q < ndq; ++q) {
+          const int16_t* wq = words + q * kStride;
+          const int64_t npairs = (dq[q].vpar + dq[q].n + 1) / 2;
+          if constexpr (kCodes4)
+            pv_rows_i4<V, 1>(&accp, &wq, ws + q, wpr + q, &dq[q].corr, &dq[q].vbias,
+                             reinterpret_cast<const uint8_t*>(dq[q].vrows), Dv, npairs, &pf);
+          else
+            pv_rows_i16<V, 1>(&accp, &wq, ws + q, wpr + q, &dq[q].corr, reinterpret_cast<const int8_t*>(dq[q].vrows),
+                              Dv, npairs, &pf);
         }
       }
     }
