@@ -135,7 +135,7 @@ class KVCache(NativeHandle):
             "Quantized KV pages"): int8 on SmolLM2-135M perplexity +0.014%, greedy
             tokens identical (Gemma-3-270M: +0.017%, 86% identical, short of the
             95% aim); int4 +0.26% / +0.54%, mean KL divergence 3.6e-3 / 4.0e-3.
-            Speed: decode is only 0.76-0.82x the fp16 cache's time for MHA and
+            Speed: decode is only 0.73-0.82x the fp16 cache's time for MHA and
             about equal for GQA on Zen 4, short of the aims (int8 1.7x, int4 2.5x
             faster: the fixed-point kernel is compute-bound there); memory
             0.5x (int8) / 0.27x (int4) of fp16 pages.
