@@ -51,10 +51,8 @@ is a smoke run (context 1024, 32 MiB working sets, 3 rounds).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
-import platform
 import re
 import shlex
 import statistics
@@ -66,6 +64,7 @@ from typing import Dict, List, Optional
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # this tree's onnx_light_ep (as tools/eval_kv_quant.py)
 SHAPES = (("GQA 32/8", 32, 8), ("MHA 32/32", 32, 32))  # (name, query heads, kv heads)
 HEAD_DIM = 128
 PAGE_TOKENS = 256
@@ -408,43 +407,11 @@ def analyse(cfg: Dict, peaks: Dict[str, Optional[float]], bw: Optional[float] = 
 
 
 def machine_info(isa: Optional[str]) -> Dict:
-    """onnx_light_ep.bench.machine.machine_info when the package of this tree imports; else the
-    fields report.machine_lines prints, from lscpu and /proc."""
-    try:
-        from onnx_light_ep.bench import machine
+    """onnx_light_ep.bench.machine.machine_info (the read bandwidth is measured by the C++ bench) and
+    the kernel's ISA level."""
+    from onnx_light_ep.bench import machine
 
-        info = machine.machine_info(measure_bandwidth=False)
-    except Exception as e:  # noqa: BLE001 - e.g. an installed package older than this tree
-        import onnxruntime
-
-        ls = {}
-        try:
-            for line in subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10,
-                                       env={**os.environ, "LC_ALL": "C"}).stdout.splitlines():
-                if ":" in line:
-                    k, v = line.split(":", 1)
-                    ls[k.strip()] = v.strip()
-        except (OSError, subprocess.SubprocessError):
-            pass
-        flags = set(ls.get("Flags", "").split())
-        mem = None
-        try:
-            with open("/proc/meminfo") as f:
-                mem = next(int(x.split()[1]) * 1024 for x in f if x.startswith("MemTotal:"))
-        except (OSError, StopIteration):
-            pass
-        version = re.search(r'^version = "([^"]+)"', open(os.path.join(ROOT, "pyproject.toml")).read(), re.M)
-        info = {"cpu_model": ls.get("Model name", platform.processor()), "num_cpus": os.cpu_count(),
-                "threads_per_core": ls.get("Thread(s) per core"), "hypervisor": ls.get("Hypervisor vendor"),
-                "lscpu_caches": {k: ls[k] for k in ("L1d cache", "L2 cache", "L3 cache") if k in ls},
-                "mem_total_bytes": mem,
-                "cpu_flags": sorted(f for f in ("avx2", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
-                                                "avx512_fp16", "f16c", "fma") if f in flags),
-                "platform": platform.platform(), "python": sys.version.split()[0], "numpy": np.__version__,
-                "onnxruntime": onnxruntime.__version__, "onnx_light_ep": version.group(1) if version else None,
-                "note": f"basic fields only: onnx_light_ep.bench.machine did not import ({type(e).__name__})"}
-        llc = re.match(r"([\d.]+) (KiB|MiB)", info["lscpu_caches"].get("L3 cache", ""))
-        info["llc_bytes"] = int(float(llc.group(1)) * (1 << (10 if llc.group(2) == "KiB" else 20))) if llc else 0
+    info = machine.machine_info(measure_bandwidth=False)
     if isa:
         info["isa"] = isa
     return info
@@ -523,12 +490,9 @@ def markdown(result: Dict, report) -> str:
 
 
 def load_report():
-    """onnx_light_ep/bench/report.py of this tree, by path (it needs nothing compiled)."""
-    spec = importlib.util.spec_from_file_location("_olep_bench_report", os.path.join(ROOT, "onnx_light_ep", "bench",
-                                                                                      "report.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from onnx_light_ep.bench import report
+
+    return report
 
 
 def main(argv=None) -> int:

@@ -79,6 +79,24 @@ OLEP_HOT void scores_row_walk(const typename Dot::qelem* q, int64_t D, const typ
   else scores_row_walk_d<V, Dot, 0>(q, D, kp, out, pf);
 }
 
+// A row's P.V weights of one tile (ptile: W lanes, >= 0 or -0 for unseen keys, lanes past the
+// tile's keys unseen) in 16-bit fixed point, laid out as the V row pairs: w[par + t] = weight of
+// key t (w[0] = 0 when the tile starts at an odd page row, par = 1), 2 W + 2 entries; the largest
+// maps to 32767, and weight = w * ws * wpre (a max below 2^-100 is first scaled by 2^100 exactly,
+// p * pre before * 32767 / m, which would overflow float32 there; wpre = 1 / pre applied last).
+template <class V>
+OLEP_HOT void round_weights(const float* ptile, int64_t par, int16_t* w, float* ws, float* wpre) {
+  constexpr int W = V::W;
+  w[0] = w[W] = w[W + 1] = 0;
+  const typename V::vf p = V::load(ptile);
+  float m = V::reduce_max(p);
+  const float pre = m < 0x1p-100f ? 0x1p100f : 1.0f;
+  m *= pre;
+  V::round_i16(w + par, V::mul(V::mul(p, V::set1(pre)), V::set1(m > 0.0f ? 32767.0f / m : 0.0f)));
+  *ws = m / 32767.0f;
+  *wpre = 1.0f / pre;
+}
+
 // Most rows (group_size x valid query rows) the int8 fixed-point row path takes (its per-tile
 // weight buffers are sized for them; attend_run sends more rows to the tiled path).
 constexpr int kCodesMaxRows = 15;
@@ -471,16 +489,7 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
           for (int64_t h = 0; h < G; ++h, ++nrows) {
             const int64_t r = h * S + i;
             int16_t* w = pw + nrows * kStride;
-            w[0] = w[W] = w[W + 1] = 0;
-            const vf p = V::load(ptile + r * W);  // >= 0 or -0 (unseen); lanes >= n are unseen
-            // the largest weight maps to 32767 (a tiny max is first scaled by 2^100, exactly)
-            float m = V::reduce_max(p);
-            const float pre = m < 0x1p-100f ? 0x1p100f : 1.0f;
-            m *= pre;
-            // (p * pre first, exactly: pre * (32767 / m) overflows float32 for m below about 2^-113)
-            V::round_i16(w + par, V::mul(V::mul(p, V::set1(pre)), V::set1(m > 0.0f ? 32767.0f / m : 0.0f)));
-            wscale[nrows] = m / 32767.0f;  // (m scaled by pre: a normal float; 1 / pre applied after)
-            wpre[nrows] = 1.0f / pre;
+            round_weights<V>(ptile + r * W, par, w, wscale + nrows, wpre + nrows);
             cs[nrows] = corr[r];
             vb[nrows] = kCodes4 ? vbias[r] : 0.0f;
             accp[nrows] = st->acc + r * Dv;
@@ -529,15 +538,7 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
         int16_t* words = reinterpret_cast<int16_t*>(ktile);  // ktile + vtile: [ndq, kStride]
         float ws[kChunkKeys / 8], wpr[kChunkKeys / 8];
         for (int q = 0; q < ndq; ++q) {
-          int16_t* w = words + q * kStride;
-          w[0] = w[W] = w[W + 1] = 0;
-          const vf p = V::load(pchunk + dq[q].t * W);
-          float m = V::reduce_max(p);  // as the undeferred path rounds them
-          const float pre = m < 0x1p-100f ? 0x1p100f : 1.0f;
-          m *= pre;
-          V::round_i16(w + dq[q].vpar, V::mul(V::mul(p, V::set1(pre)), V::set1(m > 0.0f ? 32767.0f / m : 0.0f)));
-          ws[q] = m / 32767.0f;
-          wpr[q] = 1.0f / pre;
+          round_weights<V>(pchunk + dq[q].t * W, dq[q].vpar, words + q * kStride, ws + q, wpr + q);
         }
         float* accp = st->acc;
         for (int q = 0; q < ndq; ++q) {

@@ -61,16 +61,9 @@ int main(int argc, char** argv) {
   std::mt19937 rng(1);
   std::normal_distribution<float> nd;
   for (int64_t u = 0; u < units; ++u) {
-    char* dst = cbase(u);
-    for (size_t i = 0; i < static_cast<size_t>(per_head); i += es) {
-      const float x = nd(rng) * 0.5f;
-      if (dtype == DType::kFloat32) {
-        std::memcpy(dst + i, &x, 4);
-      } else {
-        const uint16_t v = dtype == DType::kFloat16 ? float_to_half(x) : float_to_bf16(x);
-        std::memcpy(dst + i, &v, 2);
-      }
-    }
+    std::vector<float> x(static_cast<size_t>(per_head) / es);
+    for (float& f : x) f = nd(rng) * 0.5f;
+    from_float(dtype, x.data(), cbase(u), static_cast<int64_t>(x.size()));
   }
   std::vector<std::vector<KVBlock>> one(static_cast<size_t>(units)), pg(static_cast<size_t>(units));
   for (int64_t u = 0; u < units; ++u) {

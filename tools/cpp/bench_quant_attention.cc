@@ -81,13 +81,6 @@ int main(int argc, char** argv) {
   std::vector<float> k(static_cast<size_t>(P * D)), v(k.size());
   std::vector<std::vector<KVBlock>> nl(static_cast<size_t>(units));
   std::vector<std::vector<std::vector<KVBlock>>> ql(modes.size(), std::vector<std::vector<KVBlock>>(static_cast<size_t>(units)));
-  auto put = [&](char* dst, size_t i, float x) {
-    if (dtype == DType::kFloat32) std::memcpy(dst + i * 4, &x, 4);
-    else {
-      const uint16_t b = dtype == DType::kFloat16 ? float_to_half(x) : float_to_bf16(x);
-      std::memcpy(dst + i * 2, &b, 2);
-    }
-  };
   for (int64_t b = 0; b < blocks; ++b)
     for (int64_t u = 0; u < units; ++u) {
       const int64_t n = std::min(P, T - b * P);
@@ -96,10 +89,8 @@ int main(int argc, char** argv) {
         v[i] = nd(rng) * 0.5f;
       }
       char* np = native + static_cast<size_t>(b * units + u) * npage;
-      for (size_t i = 0; i < k.size(); ++i) {
-        put(np, i, k[i]);
-        put(np + npage / 2, i, v[i]);
-      }
+      from_float(dtype, k.data(), np, P * D);
+      from_float(dtype, v.data(), np + npage / 2, P * D);
       nl[static_cast<size_t>(u)].push_back(KVBlock{np, np + npage / 2, b * P, n});
       // quantized pages of `qgroup` consecutive blocks of one (layer, head) adjacent in memory
       const int64_t slot = (b / qgroup * units + u) * qgroup + b % qgroup;
