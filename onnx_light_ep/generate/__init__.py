@@ -1,0 +1,74 @@
+"""Text generation over a converted model on ``OnnxLightExecutionProvider`` with a ``KVCache``.
+
+``generate(model, prompt, ...)`` runs a prefill and then one token per step,
+feeding ``input_ids``, ``attention_mask`` (past + current tokens) and
+``position_ids`` as the source exporter expects (left padding for
+decomposed/Attention exports, right padding with the valid tokens as a prefix
+for GroupQueryAttention exports: ``onnx_light.padding_side``, see
+``onnx_light_ep._runner``), and the ``kv_cache`` handle. Decoding is greedy
+(``temperature <= 0``) or sampled (temperature, top-k, top-p, seeded
+``numpy.random.Generator``). A row stops at an end-of-sequence id (from the
+model folder's ``genai_config.json``/``generation_config.json``/tokenizer, or
+``eos_token_ids``) or after ``max_new_tokens``. Text in and out needs
+``tokenizer.json`` next to the model (or ``tokenizer_dir``) and the
+``tokenizers`` package; otherwise pass ``prompt_ids``.
+
+Modules: ``_prepare`` (arguments, model, tokenizer, session), ``_greedy``
+(the padded batch loop), ``_stepper`` (runs of equal-length rows on one
+cache, for the loops built on fork/reorder/truncate), ``_sampling``,
+``_result``, ``_progress``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence, Union
+
+from ._greedy import run_batch
+from ._prepare import CACHE_OPTIONS, check_cache_options, check_sampling, prepare
+from ._result import GenerateError, GenerateResult
+from ._sampling import sample_next
+from ._stepper import CacheStepper
+
+__all__ = ["CACHE_OPTIONS", "CacheStepper", "GenerateError", "GenerateResult", "generate", "sample_next"]
+
+
+def generate(model, prompt: Union[str, Sequence[str], None] = None, *,
+             prompt_ids: Optional[Sequence[Sequence[int]]] = None, chat: bool = False, max_new_tokens: int = 128,
+             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: Optional[int] = None,
+             eos_token_ids: Optional[Sequence[int]] = None, tokenizer_dir: Optional[str] = None,
+             stream: Optional[Callable[[str], None]] = None, progress: bool = False, session=None,
+             threads: Optional[int] = None, provider_options=None,
+             cache_options: Optional[dict] = None) -> GenerateResult:
+    """Generate from a converted model (``onnx_light_ep.convert``) on the EP.
+
+    Args:
+        model: path of the converted model (an unconverted export is converted
+            into a temporary file first).
+        prompt: text or list of texts (one row each); or ``prompt_ids``.
+        chat: wrap each text prompt in the tokenizer's chat template as one user turn.
+        max_new_tokens: upper bound on generated tokens per row (>= 1).
+        temperature, top_k, top_p, seed: sampling (see :func:`sample_next`).
+        eos_token_ids: override the end-of-sequence ids found next to the model.
+        stream: called with each new piece of row 0's text (needs a tokenizer).
+        progress: tqdm bar (or stderr lines) when not streaming.
+        session: an existing EP session of ``model`` to reuse.
+        cache_options: keyword arguments for the run's :class:`KVCache`
+            (``KVCache.for_model``), e.g. ``{"kv_quant": "int8"}``: any of
+            ``CACHE_OPTIONS`` (the cache is sized by the run itself).
+
+    Returns:
+        :class:`GenerateResult`.
+
+    Raises:
+        ValueError: bad arguments, text without a tokenizer, or model inputs
+            this loop cannot feed.
+        GenerateError: a run failed after generation started (``partial``
+            holds what was generated).
+    """
+    check_cache_options(cache_options)
+    check_sampling(temperature, top_k, top_p)
+    with prepare(model, prompt, prompt_ids=prompt_ids, chat=chat, max_new_tokens=max_new_tokens,
+                 eos_token_ids=eos_token_ids, tokenizer_dir=tokenizer_dir, session=session, threads=threads,
+                 provider_options=provider_options) as prep:
+        return run_batch(prep, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                         seed=seed, stream=stream, progress=progress, cache_options=cache_options)

@@ -1,0 +1,164 @@
+"""What every generation loop does before its first run: arguments, model, tokenizer, prompts, session.
+
+:func:`prepare` checks the arguments common to every loop, converts an
+unconverted export into a temporary file, finds the tokenizer and the
+end-of-sequence ids next to the model, encodes the prompts (or checks the
+given ids against the model's vocabulary and positions) and opens the EP
+session; :class:`Prepared` holds the result and is a context manager that
+removes the temporary conversion.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Set
+
+__all__ = ["CACHE_OPTIONS", "Prepared", "check_cache_options", "check_sampling", "prepare"]
+
+# KVCache.for_model keywords generate passes through (batch size and length come from the run).
+CACHE_OPTIONS = ("pool", "page_tokens", "sliding_window", "rollback_tokens", "kv_quant", "recent_tokens",
+                 "sink_tokens", "memory_limit_bytes")
+
+
+def check_cache_options(cache_options) -> None:
+    if cache_options is None:
+        return
+    if not isinstance(cache_options, dict):
+        raise ValueError(f"generate: cache_options; expected a dict of KVCache options ({', '.join(CACHE_OPTIONS)}), "
+                         f"got {type(cache_options).__name__}")
+    bad = sorted(k for k in cache_options if k not in CACHE_OPTIONS)
+    if bad:
+        raise ValueError(f"generate: cache_options; unknown key(s) {', '.join(map(repr, bad))}: expected any of "
+                         f"{', '.join(CACHE_OPTIONS)} (batch size and length are set by the run)")
+
+
+def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
+    if not (math.isfinite(temperature) and temperature >= 0.0):
+        raise ValueError(f"generate: temperature; expected a finite number >= 0 (0 = greedy), got {temperature}")
+    if top_k < 0 or not 0.0 < top_p <= 1.0:
+        raise ValueError(f"generate: top_k/top_p; expected top_k >= 0 and 0 < top_p <= 1, got {top_k}, {top_p}")
+
+
+@dataclass
+class Prepared:
+    """A converted model's session with its metadata, tokenizer, prompt rows and end-of-sequence ids."""
+
+    path: str
+    meta: dict
+    tokenizer: object  # onnx_light_ep._text.TextTokenizer or None
+    rows: List[List[int]]
+    eos: Set[int]
+    session: object
+    vocab: Optional[int]
+    _tmp: Optional[tempfile.TemporaryDirectory] = None
+
+    def decode(self, ids: Sequence[int]) -> Optional[str]:
+        return self.tokenizer.decode(ids) if self.tokenizer is not None else None
+
+    @property
+    def max_position(self) -> Optional[int]:
+        m = self.meta.get("max_position")
+        return int(m) if m else None
+
+    def close(self) -> None:
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __enter__(self) -> "Prepared":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def prepare(model, prompt=None, *, prompt_ids=None, chat: bool = False, max_new_tokens: int = 128,
+            eos_token_ids=None, tokenizer_dir=None, session=None, threads=None, provider_options=None,
+            extra_positions: int = 0) -> Prepared:
+    """Check and load everything a loop needs (see :func:`onnx_light_ep.generate.generate` for the arguments).
+
+    ``extra_positions``: positions a loop may use beyond prompt + ``max_new_tokens``
+    (speculative verification writes drafts it may later drop).
+
+    Raises:
+        ValueError: bad arguments, text without a tokenizer, token ids outside
+            the vocabulary, or prompt + ``max_new_tokens`` beyond the model's
+            positions (``onnx_light.max_position``).
+        FileNotFoundError: ``model`` is not a file.
+    """
+    from .. import InferenceSession
+    from .._text import TextTokenizer, eos_token_ids as _eos_ids
+    from ..rewrite import convert as _convert
+    from ..rewrite import read_metadata
+
+    if max_new_tokens < 1:
+        raise ValueError(f"generate: max_new_tokens; expected >= 1, got {max_new_tokens}")
+    if tokenizer_dir is not None and not os.path.isdir(os.fspath(tokenizer_dir)):
+        raise ValueError(f"generate: tokenizer_dir; expected a folder with tokenizer.json, got "
+                         f"{os.fspath(tokenizer_dir)!r} (not a folder)")
+    path = os.fspath(model)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"generate: model; expected an ONNX file, got {path!r} "
+                                f"({'a folder' if os.path.isdir(path) else 'not found'})")
+    src_dir = os.path.dirname(os.path.abspath(path))
+    tmp = None
+    try:
+        meta = read_metadata(path)
+    except ValueError:
+        tmp = tempfile.TemporaryDirectory(prefix="onnx_light_generate_")
+        converted = os.path.join(tmp.name, "model.onnx")
+        _convert(path, converted)
+        path, meta = converted, read_metadata(converted)
+    try:
+        tok = TextTokenizer.find([tokenizer_dir, src_dir])
+        if prompt is not None:
+            if tok is None:
+                raise ValueError("generate: prompt; expected token ids (no tokenizer.json usable with the "
+                                 "tokenizers package next to the model), got text")
+            texts = [prompt] if isinstance(prompt, str) else list(prompt)
+            for i, t in enumerate(texts):
+                if not t:
+                    raise ValueError(f"generate: prompt[{i}]; expected non-empty text, got {t!r}")
+            if chat:
+                texts = [tok.chat_prompt(t) or t for t in texts]
+            prompt_ids = [tok.encode(t) for t in texts]
+        if not prompt_ids:
+            raise ValueError("generate: expected a prompt or prompt_ids")
+        rows = [list(map(int, p)) for p in prompt_ids]
+        for i, r in enumerate(rows):
+            if not r:
+                raise ValueError(f"generate: prompt_ids[{i}]; expected at least one token id, got []")
+        limit = meta.get("max_position")
+        longest = max(len(r) for r in rows)
+        if limit and longest + max_new_tokens + extra_positions > int(limit):
+            raise ValueError(f"generate: max_new_tokens; the prompt ({longest} tokens) plus {max_new_tokens} new "
+                             f"tokens{f' (+{extra_positions} for drafts)' if extra_positions else ''} exceeds the "
+                             f"model's {int(limit)} positions (onnx_light.max_position); expected max_new_tokens "
+                             f"<= {int(limit) - longest - extra_positions}")
+        eos = set(eos_token_ids) if eos_token_ids is not None else (
+            tok.eos_token_ids if tok is not None else _eos_ids(tokenizer_dir or "", src_dir))
+        if session is None:
+            import onnxruntime as ort
+
+            so = ort.SessionOptions()
+            so.log_severity_level = 3
+            if threads:
+                so.intra_op_num_threads = int(threads)
+            session = InferenceSession(path, so, provider_options)
+        logits_shape = next((o.shape for o in session.get_outputs()
+                             if o.name == (meta.get("logits_output") or session.get_outputs()[0].name)), None)
+        vocab = logits_shape[-1] if logits_shape and isinstance(logits_shape[-1], int) else None
+        for i, r in enumerate(rows):
+            bad = [t for t in r if t < 0 or (vocab is not None and t >= vocab)]
+            if bad:
+                raise ValueError(f"generate: prompt_ids[{i}]; expected token ids in [0, {vocab}) (the model's "
+                                 f"vocabulary), got {bad[0]}")
+    except BaseException:
+        if tmp is not None:
+            tmp.cleanup()
+        raise
+    return Prepared(path=path, meta=meta, tokenizer=tok, rows=rows, eos=eos, session=session, vocab=vocab,
+                    _tmp=tmp)

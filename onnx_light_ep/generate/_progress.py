@@ -1,0 +1,32 @@
+"""Progress output of the generation loops."""
+
+from __future__ import annotations
+
+import sys
+
+__all__ = ["Progress"]
+
+
+class Progress:
+    """tqdm bar (if installed) or a stderr line every 32 tokens; ``close()`` ends it."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.bar, self.enabled = None, enabled
+        if enabled:
+            try:
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=total, desc="generate", unit="tok", leave=False)
+            except ImportError:
+                pass
+
+    def __call__(self, i: int) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+        elif self.enabled and (i + 1) % 32 == 0:
+            print(f"generate: {i + 1} tokens", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
