@@ -101,7 +101,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    from .compare import compare, format_bytes, plot, write_json
+    from .compare import CompareError, compare, format_bytes, plot, write_json
     from .rewrite import ConvertError
 
     try:
@@ -112,6 +112,9 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     except (ConvertError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except CompareError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     if not args.quiet:
         for s in result.steps:
             print(f"step {s.step:3d} {s.kind:7s} S={s.new_tokens:<4d} ctx={s.context_length:<5d} "

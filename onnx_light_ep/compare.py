@@ -34,9 +34,13 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from ._runner import DecodeState, PastFeeds, check_inputs, layer_pairs
+from ._runner import DecodeState, PastFeeds, check_inputs, layer_pairs, past_capacities
 
-__all__ = ["CompareResult", "StepRecord", "compare", "DEFAULT_TOL"]
+__all__ = ["CompareError", "CompareResult", "StepRecord", "compare", "DEFAULT_TOL"]
+
+
+class CompareError(RuntimeError):
+    """A run of either model failed during :func:`compare` (the message names the model, the step and ORT's reason)."""
 
 #: (atol, rtol) on logits per cache dtype: a position fails when |Δ| > atol + rtol·|original|.
 DEFAULT_TOL = {"float32": (1e-4, 1e-5), "float16": (5e-2, 1e-2), "bfloat16": (1e-1, 2e-2)}
@@ -163,6 +167,15 @@ def make_prompts(prompt_ids: Optional[Sequence[Sequence[int]]], batch_size: int,
     return rows[:batch_size]
 
 
+def _run(session, feeds, which: str, step: int) -> dict:
+    names = [o.name for o in session.get_outputs()]
+    try:
+        return dict(zip(names, session.run(None, feeds)))
+    except Exception as e:  # ORT raises its own exception types; keep its text, name the side and step
+        raise CompareError(f"compare: the run of {which} failed at step {step} "
+                           f"({'prefill' if step == 0 else 'decode'}): {e}") from e
+
+
 def compare(original, converted=None, *, prompt: Optional[str] = None,
             prompt_ids: Optional[Sequence[Sequence[int]]] = None, batch_size: int = 1, prefill: int = 16,
             steps: int = 32, atol: Optional[float] = None, rtol: Optional[float] = None, threads: Optional[int] = None,
@@ -195,6 +208,8 @@ def compare(original, converted=None, *, prompt: Optional[str] = None,
         ValueError: bad arguments, a model input this loop cannot feed, or
             text without a tokenizer.
         RuntimeError: the EP did not start.
+        CompareError: a run of either model failed (ORT's reason, the model
+            and the step in the message).
     """
     import onnxruntime as ort
 
@@ -253,7 +268,7 @@ def compare(original, converted=None, *, prompt: Optional[str] = None,
                                dtype=dtype, atol=tol[0], rtol=tol[1],
                                providers={"original": sess_a.get_providers(), "converted": sess_b.get_providers()})
         pairs = layer_pairs(meta) + [tuple(p) for p in meta.get("tensor_pairs", [])]
-        pasts = PastFeeds(sess_a, pairs, batch_size, meta["head_dim"], meta["v_head_dim"])
+        pasts = PastFeeds(sess_a, pairs, batch_size, meta["head_dim"], meta["v_head_dim"], past_capacities(meta))
         known = ["input_ids", "attention_mask", "position_ids", "seqlens_k", "total_sequence_length"]
         check_inputs(sess_a, known + [p for p, _ in pasts.pairs], "compare (original)")
         check_inputs(sess_b, known + [meta["cache_input"]] + [p for p, _ in pairs if p in
@@ -263,8 +278,6 @@ def compare(original, converted=None, *, prompt: Optional[str] = None,
         eb = PastFeeds(sess_b, state_pairs, batch_size, meta["head_dim"], meta["v_head_dim"]) if state_pairs else None
         state = DecodeState(rows, meta["padding_side"], pad_token_id=_pad_id(tok))
         logits_a_name = meta.get("logits_output") or sess_a.get_outputs()[0].name
-        names_a = [o.name for o in sess_a.get_outputs()]
-        names_b = [o.name for o in sess_b.get_outputs()]
         generated: List[List[int]] = [[] for _ in rows]
         with KVCache.for_model(sess_b, batch_size, state.total_length + steps + 1) as cache:
             bar = _progress(steps + 1, progress)
@@ -272,7 +285,7 @@ def compare(original, converted=None, *, prompt: Optional[str] = None,
                 feeds = state.feeds(sess_a)
                 fa = dict(feeds, **pasts.values)
                 t0 = time.perf_counter()
-                out_a = dict(zip(names_a, sess_a.run(None, fa)))
+                out_a = _run(sess_a, fa, "the original model (plain ORT)", step)
                 t1 = time.perf_counter()
                 ort_copied = pasts.update(out_a)
                 before = cache.stats()
@@ -280,7 +293,7 @@ def compare(original, converted=None, *, prompt: Optional[str] = None,
                 if eb is not None:
                     fb.update(eb.values)
                 t2 = time.perf_counter()
-                out_b = dict(zip(names_b, sess_b.run(None, fb)))
+                out_b = _run(sess_b, fb, "the converted model (EP)", step)
                 t3 = time.perf_counter()
                 if eb is not None:
                     eb.update(out_b)
