@@ -143,10 +143,14 @@ class PastFeeds:
             model's ``onnx_light.layers`` and ``tensor_pairs`` metadata).
         batch_size: rows.
         head_dim, v_head_dim: used when a past input's last dim is symbolic.
+        capacity: past input name -> positions of a fixed-size buffer (an
+            original with window-sized buffers, ``past_capacity`` in the
+            layer metadata): the first past is zeros of that length instead
+            of empty, and the present comes back at the same size.
     """
 
     def __init__(self, session, pairs: Sequence[Tuple[str, str]], batch_size: int, head_dim: int,
-                 v_head_dim: int):
+                 v_head_dim: int, capacity: Optional[Dict[str, int]] = None):
         self.pairs = [(p, q) for p, q in pairs if p and q]
         info = {i.name: i for i in session.get_inputs()}
         self.values: Dict[str, np.ndarray] = {}
@@ -158,7 +162,8 @@ class PastFeeds:
             if len(shape) != 4 or not isinstance(shape[1], int):
                 raise ValueError(f"compare: past input {past!r} has shape {shape}; expected BNSH with static heads")
             d = shape[3] if isinstance(shape[3], int) else (v_head_dim if "value" in past else head_dim)
-            self.values[past] = np.zeros((batch_size, shape[1], 0, d), dtype=_ORT_FLOAT.get(info[past].type,
+            cap = int((capacity or {}).get(past, 0))
+            self.values[past] = np.zeros((batch_size, shape[1], cap, d), dtype=_ORT_FLOAT.get(info[past].type,
                                                                                            np.float32))
 
     def update(self, outputs: Dict[str, np.ndarray]) -> int:
@@ -168,6 +173,17 @@ class PastFeeds:
             self.values[past] = outputs[present]
             copied += outputs[present].nbytes
         return copied
+
+
+def past_capacities(meta: dict) -> Dict[str, int]:
+    """Past input name -> fixed buffer positions, for layers whose original keeps window-sized buffers."""
+    out = {}
+    for x in meta.get("layers", []):
+        if x.get("past_capacity"):
+            for name in (x.get("past_key"), x.get("past_value")):
+                if name:
+                    out[name] = int(x["past_capacity"])
+    return out
 
 
 def layer_pairs(meta: dict) -> List[Tuple[str, str]]:

@@ -197,6 +197,7 @@ def convert(input_path, output_path, *, keep_present: Sequence[str] = (), slidin
             "past_key": p.past_key, "past_value": p.past_value, "present_key": p.present_key,
             "present_value": p.present_value, "exported": layer in res.exported, "notes": list(p.notes),
             "attrs": dict(p.attrs),
+            **({"past_capacity": int(p.past_capacity)} if p.past_capacity else {}),
         })
     tensor_pairs = _untouched_pairs(res)
     max_position = _max_position(res)

@@ -25,10 +25,19 @@ tests/rewrite:
 - ``local_window_size = W``: a query sees W keys including itself, as
   CacheAttention's ``local_window_size`` (verified on ORT 1.32 CPU).
 - ``softcap`` is applied to the scaled scores before masking in both ops.
+- ``sliding_window_cache = 1`` (the genai builder's default for
+  sliding-window layers): the past/present buffers hold only the last
+  ``local_window_size`` positions (fixed capacity, oldest rows overwritten)
+  while ``seqlens_k``/``total_sequence_length`` and the rotary positions stay
+  absolute, so the attention is the same local-window attention over absolute
+  positions: it converts like ``local_window_size = W`` on a full past (the
+  cache evicts pages beyond the window). The capacity is recorded as the
+  layer's ``past_capacity`` so ``compare`` feeds the original W-sized buffers
+  (verified on ORT 1.32 CPU and against onnxruntime-genai's own generator).
 
 Refused (left as they are, with the reason): quantized caches (``k_scale``,
 ``v_scale``, ``*_quant_type``, ``kv_cache_bit_width``), ``smooth_softmax``,
-``head_sink``, ``qk_output``/``output_qk``, ``sliding_window_cache``,
+``head_sink``, ``qk_output``/``output_qk``, ``sliding_window_cache`` without a window,
 ``q_norm_weight``/``k_norm_weight``, ``position_ids`` together with
 ``do_rotary``, and a past that is not a graph input.
 """
@@ -67,9 +76,15 @@ def match_gqa(ed: GraphEditor, node: onnx.NodeProto) -> Union[LayerPlan, Refusal
     hq, hkv = attr(node, "num_heads"), attr(node, "kv_num_heads")
     if not hq or not hkv or hq % hkv:
         return refuse(f"num_heads={hq}, kv_num_heads={hkv}: expected positive with num_heads % kv_num_heads == 0")
-    for a, bad in (("smooth_softmax", 0), ("qk_output", 0), ("sliding_window_cache", 0)):
+    for a, bad in (("smooth_softmax", 0), ("qk_output", 0)):
         if (attr(node, a, 0) or 0) != bad:
             return refuse(f"attribute {a}={attr(node, a)} is not supported by CacheAttention")
+    swc = attr(node, "sliding_window_cache", 0) or 0
+    if swc not in (0, 1):
+        return refuse(f"attribute sliding_window_cache={swc}: expected 0 or 1")
+    if swc and not (attr(node, "local_window_size", -1) or -1) > 0:
+        return refuse("sliding_window_cache=1 without a local_window_size > 0: the window-sized past has no "
+                      "window to keep")
     for a in ("k_quant_type", "v_quant_type"):
         v = attr(node, a)
         if v is not None and (v.decode() if isinstance(v, bytes) else v) not in ("NONE", ""):
@@ -161,6 +176,9 @@ def match_gqa(ed: GraphEditor, node: onnx.NodeProto) -> Union[LayerPlan, Refusal
     notes = []
     if packed:
         notes.append(f"packed QKV split into q/k/v ({hq}, {hkv}, {hkv} heads of {head_dim})")
+    if swc:
+        notes.append(f"window-sized past/present (sliding_window_cache=1, {window} positions) replaced by the cache; "
+                     f"KVCache.for_model releases this layer's pages beyond the window")
     if do_rotary:
         notes.append("rotary moved out of the attention into com.microsoft.RotaryEmbedding with positions "
                      "computed from seqlens_k/total_sequence_length")
@@ -187,7 +205,7 @@ def match_gqa(ed: GraphEditor, node: onnx.NodeProto) -> Union[LayerPlan, Refusal
         pattern=PATTERN, anchor=node, y_old=node.output[0], past_key=past_k, past_value=past_v,
         present_key=present_k, present_value=present_v, q_num_heads=hq, kv_num_heads=hkv,
         head_dim=head_dim, v_head_dim=v_head_dim, elem_type=elem_type, attrs=attrs, prepare=prepare,
-        padding="right", notes=notes, needs_ms_domain=do_rotary,
+        padding="right", notes=notes, needs_ms_domain=do_rotary, past_capacity=window if swc else None,
     )
 
 

@@ -25,7 +25,9 @@ Keys (all strings, prefix ``onnx_light.``):
                            ``softcap``, ``local_window_size``, ``is_causal``,
                            ``past_key``/``past_value``/``present_key``/
                            ``present_value`` (original names or null),
-                           ``exported`` (present kept through CacheExport)
+                           ``exported`` (present kept through CacheExport),
+                           ``past_capacity`` (only for an original with
+                           fixed-size window buffers: their positions)
 ``tensor_pairs``           JSON ``[[past_input, present_output], ...]`` still
                            loop-carried as tensors (layers left untouched)
 ``max_position``           int, rotary table length when known (optional)

@@ -54,6 +54,10 @@ class LayerPlan:
         needs_ms_domain: the plan emits ``com.microsoft`` ops.
         chain_tensors: layout-only views of the presents (head expansion,
             transposes) whose ``Shape`` may still be read after the rewrite.
+        past_capacity: positions the original's past/present buffers hold when
+            they are fixed-size (GroupQueryAttention ``sliding_window_cache=1``:
+            window-sized buffers, oldest rows overwritten), else None (past =
+            every earlier position). Recorded so ``compare`` can drive the original.
     """
 
     pattern: str
@@ -74,6 +78,7 @@ class LayerPlan:
     notes: List[str] = field(default_factory=list)
     needs_ms_domain: bool = False
     chain_tensors: List[str] = field(default_factory=list)
+    past_capacity: Optional[int] = None
 
     @property
     def anchor_name(self) -> str:
