@@ -173,3 +173,21 @@ def test_window_sized_buffers_convert_to_a_bounded_cache(converted, tmp_path):
         page = 32 * 2 * 16 * 4 * 2  # positions x kv heads x head_dim x fp32 x (K and V)
         # window layers: at most W + two pages each, i.e. 2 pages here; the global layer: every page
         assert held[-1] - held[3] == 4 * page, held
+
+
+def test_compare_reports_a_failing_run_of_the_original(converted, capsys):
+    """A padded batch on the windowed original: plain ORT refuses it; compare says which model failed,
+    at which step and why (CompareError; the CLI exits 1 with 'error:', no traceback)."""
+    from onnx_light_ep.cli import main
+    from onnx_light_ep.compare import CompareError
+
+    src, dst, _ = converted["genai_gemma3_window"]
+    prompt = list(range(3, 11))
+    with pytest.raises(CompareError, match=r"the run of the original model \(plain ORT\) failed at step 0 "
+                                           r"\(prefill\): .*seqlens_k\[1\] = 3 is too small"):
+        compare(src, dst, prompt_ids=[prompt, prompt[4:]], batch_size=2, steps=2, threads=1)
+    assert main(["compare", src, dst, "--prompt-ids", ",".join(map(str, prompt)), "--batch-size", "2",
+                 "--steps", "2", "-q"]) == 1
+    err = capsys.readouterr().err
+    assert "error: compare: the run of the original model (plain ORT) failed at step 0" in err
+    assert "Traceback" not in err
