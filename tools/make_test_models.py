@@ -122,6 +122,7 @@ FIXTURES = {
     "dynamo_op23_llama": ("dynamo", "llama", {"opset": 23}),
     "dynamo_op23_qwen2": ("dynamo", "qwen2", {"opset": 23}),
     "dynamo_op23_gpt2": ("dynamo", "gpt2", {"opset": 23}),
+    "dynamo_op23_gemma3": ("dynamo", "gemma3", {"opset": 23}),
     "dynamo_op18_llama": ("dynamo", "llama", {"opset": 18}),
     "optimum_op18_llama": ("optimum", "llama", {"opset": 18}),
     "optimum_op18_gpt2": ("optimum", "gpt2", {"opset": 18}),

@@ -11,6 +11,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import onnx
 from onnx import TensorProto
 
+from ._config_windows import config_windows
 from ._convert import attempt
 from ._graph import FLOAT_TYPES, external_data_files
 from ._metadata import write_metadata
@@ -89,13 +90,30 @@ class ConvertReport:
             lines.append(f"  left unchanged: {r['node']} ({r['pattern']}): {r['reason']}")
         for n in self.notes:
             lines.append(f"  note: {n}")
-        seen = set()
+        by_note: Dict[str, List[int]] = {}
         for x in self.layers:
             for n in x["notes"]:
-                if n not in seen:
-                    seen.add(n)
-                    lines.append(f"  note (layer {x['layer']}+): {n}")
+                by_note.setdefault(n, []).append(int(x["layer"]))
+        for n, ls in by_note.items():
+            lines.append(f"  note ({_layer_span(ls)}): {n}")
+        windows = [int(x.get("local_window_size", -1)) for x in self.layers]
+        if any(w > 0 for w in windows):
+            spans: Dict[int, List[int]] = {}
+            for i, w in enumerate(windows):
+                spans.setdefault(w, []).append(i)
+            lines.append("  sliding windows: " + "; ".join(
+                f"{_layer_span(ls)}: {w if w > 0 else 'none (full attention)'}" for w, ls in spans.items()) +
+                " (KVCache.for_model releases pages beyond them)")
         return "\n".join(lines)
+
+
+def _layer_span(layers: List[int]) -> str:
+    """'layer 3', 'layers 0-2', 'layers 0, 2, 4' for sorted layer indices."""
+    if len(layers) == 1:
+        return f"layer {layers[0]}"
+    if layers == list(range(layers[0], layers[-1] + 1)):
+        return f"layers {layers[0]}-{layers[-1]}"
+    return "layers " + ", ".join(map(str, layers))
 
 
 def _refusal_dict(r: Refusal) -> Dict[str, str]:
@@ -126,7 +144,10 @@ def convert(input_path, output_path, *, keep_present: Sequence[str] = (), slidin
             ``CacheExport``, so each run copies that layer's cache out).
         sliding_window: window (tokens including the current one) for
             attentions whose exported graph carries none (decomposed or
-            Concat patterns, CASES C06); recorded in the metadata. None = no window.
+            Concat patterns, CASES C06); recorded in the metadata. None = the
+            per-layer windows of a Hugging Face ``config.json`` beside the input
+            (``sliding_window`` + ``layer_types``, see ``_config_windows``) for
+            layers whose graph has none, else no window.
         cache_input: name of the int64 ``[1]`` cache-handle input to add.
         check: run ``onnx.checker.check_model`` on the result.
 
@@ -168,10 +189,11 @@ def convert(input_path, output_path, *, keep_present: Sequence[str] = (), slidin
         if k not in outputs:
             raise ConvertError(f"convert: keep_present; expected output names of the model, got {k!r}")
 
+    windows_from_config = config_windows(base_dir) if sliding_window is None else None
     excluded: Dict[str, Refusal] = {}
     for _ in range(256):
         try:
-            res = attempt(original, base_dir, excluded, keep, sliding_window, cache_input)
+            res = attempt(original, base_dir, excluded, keep, sliding_window, cache_input, windows_from_config)
         except ValueError as e:
             raise ConvertError(str(e)) from e
         if not res.new_refusals:

@@ -53,9 +53,15 @@ class Attempt:
     commit_output: Optional[str] = None
 
 
-def find_plans(ed: GraphEditor, sliding_window: Optional[int]) -> Tuple[List[LayerPlan], List[Refusal]]:
-    """All plans and refusals of the current graph, plans in node order."""
-    plans, refusals = [], []
+def find_plans(ed: GraphEditor, sliding_window: Optional[int],
+               config_windows: Optional[List[Optional[int]]] = None) -> Tuple[List[LayerPlan], List[Refusal]]:
+    """All plans and refusals of the current graph, plans in node order.
+
+    ``config_windows``: per-layer windows from the model's config.json
+    (``_config_windows``), applied only when the attentions found (converted or
+    refused) are exactly one per layer, to layers whose graph has no window.
+    """
+    plans, refusals, found = [], [], []
     for node in list(ed.graph.node):
         r = match_gqa(ed, node) or match_attention(ed, node)
         if isinstance(r, LayerPlan) and sliding_window is not None:
@@ -71,6 +77,19 @@ def find_plans(ed: GraphEditor, sliding_window: Optional[int]) -> Tuple[List[Lay
             plans.append(r)
         elif isinstance(r, Refusal):
             refusals.append(r)
+        if isinstance(r, (LayerPlan, Refusal)):
+            found.append(r)
+    if sliding_window is None and config_windows and len(found) == len(config_windows):
+        for r, w in zip(found, config_windows):
+            if not isinstance(r, LayerPlan) or not w:
+                continue
+            had = int(r.attrs.get("local_window_size", -1))
+            if had == -1:
+                r.attrs["local_window_size"] = int(w)
+                r.notes.append(f"sliding window {w} from config.json (sliding_window, layer_types) beside the model, "
+                               f"applied with the graph's own mask")
+            elif had != w:
+                r.notes.append(f"the graph's window {had} kept; config.json says {w}")
     return plans, refusals
 
 
@@ -165,13 +184,14 @@ def _substitute_shape(ed: GraphEditor, node: onnx.NodeProto, vec: str) -> None:
 
 
 def attempt(original: onnx.ModelProto, base_dir: Optional[str], excluded: Dict[str, Refusal],
-            keep_present: Sequence[str], sliding_window: Optional[int], cache_input: str) -> Attempt:
+            keep_present: Sequence[str], sliding_window: Optional[int], cache_input: str,
+            config_windows: Optional[List[Optional[int]]] = None) -> Attempt:
     """One conversion attempt on a copy of ``original`` (see module docstring)."""
     model = copy.deepcopy(original)
     ed = GraphEditor(model, base_dir)
     ed.infer_shapes()
     res = Attempt(model=model)
-    plans, refusals = find_plans(ed, sliding_window)
+    plans, refusals = find_plans(ed, sliding_window, config_windows)
     res.refusals = list(refusals) + list(excluded.values())
     plans = [p for p in plans if p.anchor_name not in excluded]
     # Two attentions sharing one past cannot both own it.

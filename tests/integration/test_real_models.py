@@ -191,3 +191,70 @@ def test_compare_reports_a_failing_run_of_the_original(converted, capsys):
     err = capsys.readouterr().err
     assert "error: compare: the run of the original model (plain ORT) failed at step 0" in err
     assert "Traceback" not in err
+
+
+def _hf_config(family, **over):
+    cfg = dict(MANIFEST["hf_configs"][family])
+    cfg.pop("class")
+    cfg.update(model_type={"gemma3": "gemma3_text"}.get(family, family), **over)
+    return cfg
+
+
+@pytest.mark.parametrize("config,want", [
+    ({}, [16, 16, 16, -1]),                                     # window from config.json's layer_types
+    ({"sliding_window": None}, [-1, -1, -1, -1]),               # a config without a window: none
+    (None, [-1, -1, -1, -1]),                                   # no config.json: the mask alone
+])
+def test_window_from_config_json_beside_a_mask_export(tmp_path, config, want):
+    """torch.onnx's Gemma-3 export builds the window into the mask; the config.json beside it names it
+    per layer: convert applies it (reported), compare over a prompt of 5 windows still matches plain ORT
+    (the mask and the window agree), and for_model bounds the sliding layers' pages."""
+    import shutil
+
+    from onnx_light_ep import InferenceSession, KVCache
+    from onnx_light_ep.rewrite import read_metadata
+
+    src = str(tmp_path / "model.onnx")
+    shutil.copy(os.path.join(DATA, "dynamo_op23_gemma3.onnx"), src)
+    if config is not None:
+        with open(tmp_path / "config.json", "w") as f:
+            json.dump(_hf_config("gemma3", **config), f)
+    dst = str(tmp_path / "out" / "model.onnx")
+    report = convert(src, dst)
+    assert [x["local_window_size"] for x in read_metadata(dst)["layers"]] == want
+    assert ("sliding windows: layers 0-2: 16; layer 3: none" in str(report)) == (want[0] == 16)
+    prompt = (np.arange(80) * 37 % 997 + 3).tolist()
+    result = compare(src, dst, prompt_ids=[prompt], steps=8, threads=1)
+    assert result.ok and result.max_abs <= 1e-4, result.summary()
+    sess = InferenceSession(dst)
+    with KVCache.for_model(sess, 1, 512, page_tokens=32) as cache:
+        held = []
+        for chunk in range(6):
+            ids = np.full((1, 32), 5 + chunk, np.int64)
+            sess.run(None, {"input_ids": ids, "attention_mask": np.ones((1, 32 * (chunk + 1)), np.int64),
+                            "position_ids": np.arange(32 * chunk, 32 * (chunk + 1))[None],
+                            "kv_cache": cache.handle})
+            held.append(cache.stats()["committed_bytes"])
+    page = 32 * 2 * 16 * 4 * 2
+    assert held[-1] - held[2] == (3 if want[0] == 16 else 12) * page, held
+
+
+def test_config_windows_reader(tmp_path):
+    from onnx_light_ep.rewrite._config_windows import config_windows
+
+    def write(cfg):
+        with open(tmp_path / "config.json", "w") as f:
+            json.dump(cfg, f)
+        return config_windows(str(tmp_path))
+
+    assert config_windows(str(tmp_path)) is None
+    assert write({"model_type": "mistral", "sliding_window": 4096, "num_hidden_layers": 2}) == [4096, 4096]
+    assert write({"model_type": "mistral", "sliding_window": None, "num_hidden_layers": 2}) is None
+    assert write({"model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": False,
+                  "layer_types": ["full_attention"] * 2, "num_hidden_layers": 2}) is None
+    assert write({"model_type": "qwen2", "sliding_window": 64, "num_hidden_layers": 2}) is None  # no layer_types
+    assert write({"text_config": {"sliding_window": 512, "num_hidden_layers": 2,
+                                  "layer_types": ["sliding_attention", "full_attention"]}}) == [512, None]
+    assert write({"sliding_window": 8, "num_hidden_layers": 3, "layer_types": ["sliding_attention"]}) is None
+    (tmp_path / "config.json").write_text("{not json")
+    assert config_windows(str(tmp_path)) is None
