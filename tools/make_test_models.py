@@ -253,66 +253,12 @@ def export_genai(hf_dir, work, precision):
 
 
 def export_dynamo(hf_dir, work, opset):
-    import inspect
+    """torch.onnx dynamo export with the flat past/present interface (onnx_light_ep.models._dynamo)."""
+    sys.path.insert(0, str(REPO))
+    from onnx_light_ep.models._dynamo import export_dynamo as _export
 
-    import torch
-    from transformers import AutoModelForCausalLM, DynamicCache
-    from transformers.cache_utils import DynamicLayer
-
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="sdpa").eval()
-    params = inspect.signature(model.forward).parameters
-    cache_kw = "cache" if "cache" in params else "past_key_values"
-    dims = model_dims(hf_dir)
-    L, hkv, D = dims["num_layers"], dims["kv_num_heads"], dims["head_dim"]
-
-    class FlatCacheWrapper(torch.nn.Module):
-        """forward(input_ids, attention_mask, position_ids, past) -> (logits, *present), where
-        ``past`` is a tuple (k0, v0, k1, v1, ...) of [batch, kv_heads, past_seq, head_dim]."""
-
-        def __init__(self, m):
-            super().__init__()
-            self.m = m
-
-        def forward(self, input_ids, attention_mask, position_ids, past):
-            # Fill DynamicLayers directly: DynamicCache(ddp_cache_data=...) concatenates onto an
-            # empty 1-D tensor, which torch.export does not trace cleanly.
-            cache = DynamicCache()
-            for i in range(L):
-                layer = DynamicLayer()
-                layer.keys, layer.values = past[2 * i], past[2 * i + 1]
-                layer.device = past[2 * i].device
-                layer.is_initialized = True
-                cache.layers.append(layer)
-            out = self.m(input_ids=input_ids, attention_mask=attention_mask,
-                         position_ids=position_ids, use_cache=True, **{cache_kw: cache})
-            new_cache = getattr(out, "cache", None)
-            if new_cache is None:
-                new_cache = out.past_key_values
-            flat = []
-            for layer in new_cache.layers:
-                flat += [layer.keys, layer.values]
-            return (out.logits, *flat)
-
-    wrapper = FlatCacheWrapper(model).eval()
-    B, S, P = 2, 3, 4   # sample sizes: distinct and > 1 so none gets specialized
-    g = torch.Generator().manual_seed(SEED)
-    ids = torch.randint(0, dims["vocab_size"], (B, S), generator=g)
-    mask = torch.ones(B, P + S, dtype=torch.int64)
-    pos = torch.arange(P, P + S).expand(B, S).contiguous()
-    past = tuple(torch.randn(B, hkv, P, D, generator=g) for _ in range(2 * L))
-    in_names = ["input_ids", "attention_mask", "position_ids"] + [
-        f"past_key_values.{i}.{kv}" for i in range(L) for kv in ("key", "value")]
-    out_names = ["logits"] + [f"present.{i}.{kv}" for i in range(L) for kv in ("key", "value")]
-    dyn = [{0: "batch_size", 1: "sequence_length"},
-           {0: "batch_size", 1: "total_sequence_length"},
-           {0: "batch_size", 1: "sequence_length"},
-           tuple({0: "batch_size", 2: "past_sequence_length"} for _ in range(2 * L))]
-    path = work / "model.onnx"
     log(f"torch.onnx.export(dynamo=True, opset_version={opset}) of {hf_dir.name}")
-    with torch.no_grad():
-        torch.onnx.export(wrapper, (ids, mask, pos, past), str(path), dynamo=True,
-                          opset_version=opset, input_names=in_names, output_names=out_names,
-                          dynamic_shapes=dyn, external_data=False, verbose=False)
+    path = _export(hf_dir, work / "model.onnx", opset, seed=SEED)
     return path, {"wrapper": "FlatCacheWrapper(input_ids, attention_mask, position_ids, past) "
                              "-> (logits, *present)"}
 
