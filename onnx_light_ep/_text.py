@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Iterable, List, Optional, Set
+from typing import Iterable, List, Mapping, Optional, Sequence, Set
 
 __all__ = ["TextTokenizer", "eos_token_ids"]
 
@@ -131,14 +131,37 @@ class TextTokenizer:
         return t if isinstance(t, str) else None
 
     def chat_prompt(self, question: str) -> Optional[str]:
-        """``question`` as one user turn of the chat template, ready for the assistant; None without a template."""
+        """``question`` as one user turn of the chat template, ready for the assistant; None without a template
+        (or without ``jinja2``)."""
+        if self.chat_template() is None:
+            return None
+        try:
+            import jinja2  # noqa: F401
+        except ImportError:
+            return None
+        return self.render_chat([{"role": "user", "content": question}])
+
+    def render_chat(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
+        """The whole conversation ``messages`` (dicts with ``role`` and ``content``) rendered by the chat template.
+
+        ``add_generation_prompt``: end with the template's assistant header (the
+        model answers next). Rendered as ``transformers``' ``apply_chat_template``
+        does (jinja2 with ``trim_blocks``/``lstrip_blocks``; ``bos_token``,
+        ``eos_token`` from ``tokenizer_config.json``; ``raise_exception``).
+
+        Raises:
+            ValueError: no chat template (``chat_template.jinja`` or
+                ``tokenizer_config.json``'s ``chat_template``), ``jinja2`` not
+                installed, or the template itself raised.
+        """
         template = self.chat_template()
         if template is None:
-            return None
+            raise ValueError(f"chat template; expected chat_template.jinja or a chat_template entry of "
+                             f"tokenizer_config.json in {self.folder!r}, found neither")
         try:
             import jinja2
         except ImportError:
-            return None
+            raise ValueError("chat template; rendering it needs the jinja2 package, which is not installed") from None
 
         def raise_exception(msg):
             raise ValueError(msg)
@@ -151,5 +174,5 @@ class TextTokenizer:
             return v.get("content", "") if isinstance(v, dict) else (v or "")
 
         return env.from_string(template).render(
-            messages=[{"role": "user", "content": question}], add_generation_prompt=True,
+            messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt,
             bos_token=tok("bos_token"), eos_token=tok("eos_token"))

@@ -77,11 +77,13 @@ class Prepared:
 
 def prepare(model, prompt=None, *, prompt_ids=None, chat: bool = False, max_new_tokens: int = 128,
             eos_token_ids=None, tokenizer_dir=None, session=None, threads=None, provider_options=None,
-            extra_positions: int = 0) -> Prepared:
+            extra_positions: int = 0, prompt_required: bool = True) -> Prepared:
     """Check and load everything a loop needs (see :func:`onnx_light_ep.generate.generate` for the arguments).
 
     ``extra_positions``: positions a loop may use beyond prompt + ``max_new_tokens``
     (speculative verification writes drafts it may later drop).
+    ``prompt_required=False``: no prompt is fine (``rows`` is then empty: a
+    loop that receives its tokens later, such as ``onnx_light_ep.chat``).
 
     Raises:
         ValueError: bad arguments, text without a tokenizer, token ids outside
@@ -125,15 +127,15 @@ def prepare(model, prompt=None, *, prompt_ids=None, chat: bool = False, max_new_
             if chat:
                 texts = [tok.chat_prompt(t) or t for t in texts]
             prompt_ids = [tok.encode(t) for t in texts]
-        if not prompt_ids:
+        if not prompt_ids and prompt_required:
             raise ValueError("generate: expected a prompt or prompt_ids")
-        rows = [list(map(int, p)) for p in prompt_ids]
+        rows = [list(map(int, p)) for p in prompt_ids or []]
         for i, r in enumerate(rows):
             if not r:
                 raise ValueError(f"generate: prompt_ids[{i}]; expected at least one token id, got []")
         limit = meta.get("max_position")
-        longest = max(len(r) for r in rows)
-        if limit and longest + max_new_tokens + extra_positions > int(limit):
+        longest = max((len(r) for r in rows), default=0)
+        if rows and limit and longest + max_new_tokens + extra_positions > int(limit):
             raise ValueError(f"generate: max_new_tokens; the prompt ({longest} tokens) plus {max_new_tokens} new "
                              f"tokens{f' (+{extra_positions} for drafts)' if extra_positions else ''} exceeds the "
                              f"model's {int(limit)} positions (onnx_light.max_position); expected max_new_tokens "
