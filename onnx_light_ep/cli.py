@@ -11,6 +11,7 @@ Subcommands:
 - ``compare ORIGINAL [CONVERTED]``: original on plain ORT vs converted on the
   EP, same inputs; exit 1 on a mismatch beyond the tolerance.
 - ``generate MODEL``: greedy or sampled generation on the EP with a KVCache.
+- ``chat MODEL``: interactive multi-turn chat on one KVCache (``onnx_light_ep.chat``).
 - ``demo`` (also: no arguments): the main job on SmolLM2-135M-Instruct
   (``onnx_light_ep.demo``).
 """
@@ -189,6 +190,40 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_chat(args: argparse.Namespace) -> int:
+    from ._chat_cli import run_chat
+    from .chat import ChatSession
+    from .rewrite import ConvertError
+
+    def note(text):
+        print(f"[debug] {text}", flush=True)
+
+    try:
+        chat = ChatSession(args.model, system=args.system, max_new_tokens=args.max_new_tokens,
+                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                           tokenizer_dir=args.tokenizer, threads=args.threads, cache_options=_cache_options(args),
+                           max_sequence_length=args.max_sequence_length, log=note if args.verbose else None)
+    except (ConvertError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    with chat:
+        try:
+            chat.render([{"role": "user", "content": "hi"}])
+        except ValueError as e:
+            print(f"error: {e} (chat needs the model's tokenizer and chat template; --tokenizer DIR)",
+                  file=sys.stderr)
+            return 2
+        if sys.stdin.isatty():
+            try:
+                import readline  # noqa: F401  (line editing and history for input())
+            except ImportError:
+                pass
+        return run_chat(chat, stats=args.stats)
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from .demo import DEFAULT_PROMPT, run_default
 
@@ -257,6 +292,28 @@ def _add_rewrite_commands(sub) -> None:
     p.add_argument("--ids", action="store_true", help="also print the generated token ids")
     p.add_argument("-q", "--quiet", action="store_true")
     p.set_defaults(func=_cmd_generate)
+
+    p = sub.add_parser("chat", help="interactive multi-turn chat with a converted model on one KVCache")
+    p.add_argument("model", help="converted model with tokenizer.json and a chat template next to it")
+    p.add_argument("--system", default=None, metavar="TEXT", help="system prompt")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="answer tokens per turn")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--tokenizer", default=None, metavar="DIR", help="folder with tokenizer.json")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--max-sequence-length", type=int, default=None, metavar="N",
+                   help="cache capacity (default: the model's onnx_light.max_position)")
+    p.add_argument("--kv-quant", choices=("int8", "int4"), default=None,
+                   help="store cold KV pages quantized (docs/API.md 'Quantized pages')")
+    p.add_argument("--recent-tokens", type=int, default=None, help="with --kv-quant: newest positions kept native")
+    p.add_argument("--sink-tokens", type=int, default=None, help="with --kv-quant: first positions kept native")
+    p.add_argument("--stats", action="store_true", help="after each answer: tokens appended/cached/generated, "
+                   "stop reason, rates")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="say when the template re-rendered earlier turns and the cache was truncated")
+    p.set_defaults(func=_cmd_chat)
 
     p = sub.add_parser("demo", help="the main job: SmolLM2-135M-Instruct, converted, answering on the EP "
                                     "(what 'onnx-light' with no arguments runs)")
