@@ -18,7 +18,7 @@ namespace {
 // ---- ONNX Attention (opset 23/24) ---------------------------------------------
 
 constexpr size_t kAttnInputs = 7;   // Q, K, V, attn_mask, past_key, past_value, nonpad_kv_seqlen
-constexpr size_t kAttnOutputs = 3;  // Y, present_key, present_value
+constexpr size_t kAttnOutputs = 4;  // Y, present_key, present_value, qk_matmul_output
 
 struct AttentionComputeInfo : NodeComputeInfo {
   ops::OnnxAttentionAttrs attrs;
@@ -42,7 +42,8 @@ struct AttentionComputeInfo : NodeComputeInfo {
       void* y = alloc_output(ctx, static_cast<size_t>(out_index[0]), s.y);
       void* pk = out_index[1] >= 0 ? alloc_output(ctx, static_cast<size_t>(out_index[1]), s.present_key) : nullptr;
       void* pv = out_index[2] >= 0 ? alloc_output(ctx, static_cast<size_t>(out_index[2]), s.present_value) : nullptr;
-      ops::onnx_attention(attrs, in, s, y, pk, pv, ort_parallel_for(ctx));
+      void* qk = out_index[3] >= 0 ? alloc_output(ctx, static_cast<size_t>(out_index[3]), s.qk) : nullptr;
+      ops::onnx_attention(attrs, in, s, y, pk, pv, qk, ort_parallel_for(ctx));
       return nullptr;
     } catch (const std::exception& e) {
       return to_status(e, node);
@@ -50,28 +51,55 @@ struct AttentionComputeInfo : NodeComputeInfo {
   }
 };
 
+bool is_float_type(ONNXTensorElementDataType t) {
+  return t == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT || t == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16 ||
+         t == ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16;
+}
+
 bool supports_onnx_attention(const OrtNode* node, std::string* why) {
+  auto refuse = [why](const std::string& m) {
+    *why = "Attention: " + m;
+    return false;
+  };
   int since = 0;
   check(api().Node_GetSinceVersion(node, &since));
-  if (since != 23 && since != 24) {
-    *why = "Attention since_version " + std::to_string(since) + " (supported: 23, 24)";
-    return false;
+  if (since != 23 && since != 24) return refuse("since_version " + std::to_string(since) + " (supported: 23, 24)");
+  // Attributes: an allow-list (opset 23/24), so that anything else is left to ORT.
+  static const char* const known[] = {"is_causal", "kv_num_heads",     "q_num_heads",      "qk_matmul_output_mode",
+                                      "scale",     "softcap",          "softmax_precision"};
+  for (const std::string& name : attribute_names(node)) {
+    bool ok = false;
+    for (const char* k : known) ok = ok || name == k;
+    if (!ok) return refuse("unknown attribute '" + name + "'");
   }
-  const std::vector<std::string> outs = value_names(node, false);
-  if (outs.size() > 3 && !outs[3].empty()) {
-    *why = "Attention output qk_matmul_output is requested";
-    return false;
-  }
-  int64_t mode = 0;
-  if (node_attr_int(node, "qk_matmul_output_mode", &mode) && mode != 0) {
-    *why = "Attention qk_matmul_output_mode=" + std::to_string(mode);
-    return false;
-  }
+  int64_t v = 0;
+  if (node_attr_int(node, "qk_matmul_output_mode", &v) && (v < 0 || v > 3))
+    return refuse("qk_matmul_output_mode=" + std::to_string(v) + " (supported: 0, 1, 2, 3)");
+  v = 0;
+  if (node_attr_int(node, "is_causal", &v) && v != 0 && v != 1) return refuse("is_causal=" + std::to_string(v));
+  float scale = 1.0f;
+  if (node_attr_float(node, "scale", &scale) && !(scale > 0.0f))  // the kernels read <= 0 as the default
+    return refuse("scale=" + std::to_string(scale) + " (supported: > 0)");
   const ONNXTensorElementDataType t = input_type(node, 0);
-  if (t != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT && t != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16) {
-    *why = "Attention input Q type " + std::to_string(static_cast<int>(t)) + " (supported: float, float16)";
-    return false;
+  if (!is_float_type(t))
+    return refuse("input Q type " + std::to_string(static_cast<int>(t)) + " (supported: float, float16, bfloat16)");
+  // T1 = Q, K, past_key; T2 = V, past_value: one type for all of them here (the kernels read one).
+  const std::vector<std::string> ins = value_names(node, true);
+  for (size_t i : {size_t{1}, size_t{2}, size_t{4}, size_t{5}}) {
+    if (i >= ins.size() || ins[i].empty()) continue;
+    if (input_type(node, i) != t) return refuse("input #" + std::to_string(i) + " has another type than Q");
   }
+  if (ins.size() > 3 && !ins[3].empty()) {
+    const ONNXTensorElementDataType m = input_type(node, 3);
+    if (m != ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL && !is_float_type(m))
+      return refuse("attn_mask type " + std::to_string(static_cast<int>(m)) + " (supported: bool, float, float16, bfloat16)");
+  }
+  // softmax_precision: the kernels' softmax is float32. Claimed when that is at least the asked
+  // precision: absent, FLOAT (1), DOUBLE (11: float32 instead, rounded to T1 <= float32 anyway)
+  // or T1 itself (what absent means); FLOAT16/BFLOAT16 below a float32 T1 are left to ORT.
+  v = 0;
+  if (node_attr_int(node, "softmax_precision", &v) && v != 1 && v != 11 && v != static_cast<int64_t>(t))
+    return refuse("softmax_precision=" + std::to_string(v) + " below the float32 softmax of the kernels");
   return true;
 }
 
@@ -80,6 +108,7 @@ NodeComputeInfo* compile_onnx_attention(const OrtNode* node, const OrtNode* fuse
   node_attr_int(node, "is_causal", &info->attrs.is_causal);
   node_attr_int(node, "q_num_heads", &info->attrs.q_num_heads);
   node_attr_int(node, "kv_num_heads", &info->attrs.kv_num_heads);
+  node_attr_int(node, "qk_matmul_output_mode", &info->attrs.qk_matmul_output_mode);
   node_attr_float(node, "scale", &info->attrs.scale);
   node_attr_float(node, "softcap", &info->attrs.softcap);
   map_by_name(value_names(node, true), value_names(fused_node, true), info->in_index);

@@ -2,7 +2,9 @@
 // were NOT converted are claimed one node per fused graph and run on our
 // kernels, producing the outputs and present_key/present_value exactly as ORT
 // does:
-//   - ONNX Attention, opset 23/24 (ops/attention_tensor.h);
+//   - ONNX Attention, opset 23/24 (ops/attention_tensor.h): float, float16, bfloat16,
+//     qk_matmul_output in every mode; left to ORT: other opsets (25 adds windows), Q/K/V/past
+//     of different types, integer masks, scale <= 0, softmax_precision below float32;
 //   - com.microsoft GroupQueryAttention as onnxruntime-genai emits it: packed
 //     or separate Q/K/V, do_rotary with cos/sin caches, local_window_size,
 //     softcap, scale, separate or shared (IOBinding) past/present buffers

@@ -118,6 +118,28 @@ void attend_range_avx512(const AttentionGroup& a, int64_t key_begin, int64_t key
 void attend_range_avx512_bf16(const AttentionGroup& a, int64_t key_begin, int64_t key_end, AttentionState* state,
                               float* scratch);
 
+/// What qk_scores writes: the stages of ONNX Attention's optional 4th output, by
+/// qk_matmul_output_mode (opset 23/24 text).
+enum class QkStage : int {
+  kMatMul = 0,   // scale * q . k, for every key (masks play no part)
+  kSoftcap = 1,  // softcap * tanh(s / softcap) when softcap > 0, else as kMatMul
+  kBiased = 2,   // kSoftcap plus the bias: the attn_mask value as given (bool: 0 / -inf), -inf for keys
+                 // outside the causal frontier or local window and for keys >= num_keys
+  kSoftmax = 3,  // the softmax weights Y uses, in float32 before rounding to `dtype`: the mask as
+                 // attend_range reads it (a value <= the lowest finite one is -inf), keys with -inf bias
+                 // get 0, a row with no visible key is all 0, a NaN or +inf score makes the row NaN
+};
+
+/// ONNX Attention's qk_matmul_output for work item `a` over dense keys: for each query head
+/// h < group_size, row i < num_rows and key j < total_keys (total_keys >= a.num_keys; keys
+/// from num_keys on are padding: -inf bias), writes stage `stage` of score (h, i, j) as `a.dtype` to
+/// out[h * out_head_stride + i * out_row_stride + j]; rows >= num_valid_rows get zeros.
+/// key: total_keys rows of head_dim elements of `a.dtype`, row j at key + j * head_dim elements
+/// (a.blocks are not read). Scalar float32 on every ISA level (a debug output, not a hot path).
+/// `scratch`: total_keys floats.
+void qk_scores(const AttentionGroup& a, QkStage stage, const void* key, int64_t total_keys, void* out,
+               int64_t out_head_stride, int64_t out_row_stride, float* scratch);
+
 /// Convenience: the whole key range, then finalize (tests, small calls).
 void attend_group(const AttentionGroup& a, float* scratch_and_state);
 int64_t attend_group_floats(const AttentionGroup& a);

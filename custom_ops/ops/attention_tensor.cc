@@ -1,6 +1,7 @@
 #include "ops/attention_tensor.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -29,6 +30,8 @@ void copy_rows(const char* src, const int64_t st[3], int64_t b, int64_t h, int64
 OnnxAttentionShapes onnx_attention_shapes(const OnnxAttentionAttrs& a, const OnnxAttentionInputs& in) {
   if (!in.q || !in.k || !in.v) fail("inputs Q, K and V are required");
   if (a.is_causal != 0 && a.is_causal != 1) fail("attribute 'is_causal' must be 0 or 1; got " + str(a.is_causal));
+  if (a.qk_matmul_output_mode < 0 || a.qk_matmul_output_mode > 3)
+    fail("attribute 'qk_matmul_output_mode' must be 0, 1, 2 or 3; got " + str(a.qk_matmul_output_mode));
   OnnxAttentionShapes s;
   int64_t key_seq = 0;
   s.d = resolve_dims("Attention", a.q_num_heads, a.kv_num_heads, *in.q, *in.k, *in.v, /*key_seq_may_differ=*/true,
@@ -64,11 +67,12 @@ OnnxAttentionShapes onnx_attention_shapes(const OnnxAttentionAttrs& a, const Onn
   s.y = output_shape(d);
   s.present_key = {d.batch, d.kv_heads, s.total, d.head_dim};
   s.present_value = {d.batch, d.kv_heads, s.total, d.v_head_dim};
+  s.qk = {d.batch, d.q_heads, d.seq, s.total};
   return s;
 }
 
 void onnx_attention(const OnnxAttentionAttrs& a, const OnnxAttentionInputs& in, const OnnxAttentionShapes& s, void* y,
-                    void* present_key, void* present_value, const ParallelFor& parallel_for) {
+                    void* present_key, void* present_value, void* qk_matmul_output, const ParallelFor& parallel_for) {
   const AttentionDims& d = s.d;
   const DType dt = to_dtype(in.q->type, "Attention: input 'Q'");
   const size_t es = dtype_size(dt);
@@ -135,6 +139,11 @@ void onnx_attention(const OnnxAttentionAttrs& a, const OnnxAttentionInputs& in, 
     }
   MaskSpec mask;
   if (in.attn_mask) {
+    // A last dimension shorter than the keys: the keys past it are masked out (opset 24 pads
+    // attn_mask to total_sequence_length with -inf; the reference does so for opset 23 too).
+    const int64_t mask_keys = in.attn_mask->shape.empty() ? 1 : in.attn_mask->shape.back();
+    if (mask_keys != 1)
+      for (int64_t& n : call.num_keys) n = std::min(n, mask_keys);
     int64_t max_keys = 0;
     for (int64_t n : call.num_keys) max_keys = std::max(max_keys, n);
     mask = parse_mask("Attention", *in.attn_mask, d, max_keys);
@@ -143,6 +152,48 @@ void onnx_attention(const OnnxAttentionAttrs& a, const OnnxAttentionInputs& in, 
   call.blocks = dense_blocks(d.batch, d.kv_heads, present_key, present_value, s.total, pk_row, pv_row,
                              std::vector<int64_t>(static_cast<size_t>(d.batch), 0), call.num_keys);
   run_attention(call, parallel_for);
+  if (qk_matmul_output) {
+    // Per (sequence, kv head): the group's score rows over every present key, the causal
+    // offset, mask and key count of Y's call (run_attention's own items describe them).
+    const float scale = a.scale > 0.0f ? a.scale : 1.0f / std::sqrt(static_cast<float>(d.head_dim));
+    const int64_t G = d.q_heads / d.kv_heads;
+    int64_t qs[3];
+    layout_strides(d.rank, d.q_heads, d.seq, d.head_dim, qs);
+    auto one = [&](int64_t item) {
+      const int64_t b = item / d.kv_heads, h = item % d.kv_heads;
+      kernels::AttentionGroup ag;
+      ag.dtype = dt;
+      ag.q = static_cast<const char*>(in.q->data) + static_cast<size_t>(b * qs[0] + h * G * qs[1]) * es;
+      ag.q_head_stride = qs[1];
+      ag.q_row_stride = qs[2];
+      ag.group_size = G;
+      ag.num_rows = d.seq;
+      ag.num_valid_rows = d.seq;
+      ag.q_offset = call.q_offset[static_cast<size_t>(b)];
+      ag.num_keys = call.num_keys[static_cast<size_t>(b)];
+      ag.head_dim = d.head_dim;
+      ag.v_head_dim = d.v_head_dim;
+      ag.scale = scale;
+      ag.softcap = a.softcap;
+      ag.is_causal = call.is_causal;
+      if (call.mask) {
+        ag.mask = mask.view;
+        ag.mask.data = static_cast<const char*>(mask.view.data) +
+                       static_cast<size_t>(b * mask.batch_stride + h * G * mask.view.head_stride) * mask.elem_size;
+      }
+      const size_t bh = static_cast<size_t>(b * d.kv_heads + h);
+      const char* key = static_cast<const char*>(present_key) + bh * static_cast<size_t>(s.total) * pk_row;
+      void* out = static_cast<char*>(qk_matmul_output) + static_cast<size_t>((b * d.q_heads + h * G) * d.seq * s.total) * es;
+      std::vector<float> row(static_cast<size_t>(s.total));
+      kernels::qk_scores(ag, static_cast<kernels::QkStage>(a.qk_matmul_output_mode), key, s.total, out, d.seq * s.total,
+                         s.total, row.data());
+    };
+    if (parallel_for && items > 1) {
+      parallel_for(items, one);
+    } else {
+      for (int64_t i = 0; i < items; ++i) one(i);
+    }
+  }
 }
 
 }  // namespace ops
