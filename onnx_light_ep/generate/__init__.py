@@ -16,7 +16,8 @@ model folder's ``genai_config.json``/``generation_config.json``/tokenizer, or
 Modules: ``_prepare`` (arguments, model, tokenizer, session), ``_greedy``
 (the padded batch loop), ``_stepper`` (runs of equal-length rows on one
 cache, for the loops built on fork/reorder/truncate), ``_sampling``,
-``_result``, ``_progress``.
+``_result``, ``_progress``; ``_prefix`` (:class:`PrefixCache`: K/V of prompt
+prefixes reused across requests) and ``_prefix_loop`` (its batch-1 loop).
 """
 
 from __future__ import annotations
@@ -24,12 +25,14 @@ from __future__ import annotations
 from typing import Callable, Optional, Sequence, Union
 
 from ._greedy import run_batch
+from ._prefix import PrefixCache, PrefixMatch
 from ._prepare import CACHE_OPTIONS, check_cache_options, check_sampling, prepare
 from ._result import GenerateError, GenerateResult
 from ._sampling import sample_next
 from ._stepper import CacheStepper
 
-__all__ = ["CACHE_OPTIONS", "CacheStepper", "GenerateError", "GenerateResult", "generate", "sample_next"]
+__all__ = ["CACHE_OPTIONS", "CacheStepper", "GenerateError", "GenerateResult", "PrefixCache", "PrefixMatch",
+           "generate", "sample_next"]
 
 
 def generate(model, prompt: Union[str, Sequence[str], None] = None, *,
@@ -38,7 +41,7 @@ def generate(model, prompt: Union[str, Sequence[str], None] = None, *,
              eos_token_ids: Optional[Sequence[int]] = None, tokenizer_dir: Optional[str] = None,
              stream: Optional[Callable[[str], None]] = None, progress: bool = False, session=None,
              threads: Optional[int] = None, provider_options=None,
-             cache_options: Optional[dict] = None) -> GenerateResult:
+             cache_options: Optional[dict] = None, prefix_cache: Optional[PrefixCache] = None) -> GenerateResult:
     """Generate from a converted model (``onnx_light_ep.convert``) on the EP.
 
     Args:
@@ -55,6 +58,14 @@ def generate(model, prompt: Union[str, Sequence[str], None] = None, *,
         cache_options: keyword arguments for the run's :class:`KVCache`
             (``KVCache.for_model``), e.g. ``{"kv_quant": "int8"}``: any of
             ``CACHE_OPTIONS`` (the cache is sized by the run itself).
+        prefix_cache: a :class:`PrefixCache`: the prompt (one; batch 1) reuses
+            the K/V of its longest cached whole-block prefix, prefills the rest
+            (``CacheStepper``, in runs with prefill progress) and leaves its new
+            full blocks in the PrefixCache; ``GenerateResult.cached_tokens``
+            says how many positions were reused. The tokens equal an uncached
+            run's (the same arithmetic on the same K/V; logits may differ in
+            the last bits, as a chunked prefill's do). ``cache_options`` must
+            not name another pool or ``kv_quant``.
 
     Returns:
         :class:`GenerateResult`.
@@ -66,9 +77,17 @@ def generate(model, prompt: Union[str, Sequence[str], None] = None, *,
             holds what was generated).
     """
     check_cache_options(cache_options)
+    if prefix_cache is not None and not isinstance(prefix_cache, PrefixCache):
+        raise ValueError(f"generate: prefix_cache; expected a PrefixCache or None, got {type(prefix_cache).__name__}")
     check_sampling(temperature, top_k, top_p)
     with prepare(model, prompt, prompt_ids=prompt_ids, chat=chat, max_new_tokens=max_new_tokens,
                  eos_token_ids=eos_token_ids, tokenizer_dir=tokenizer_dir, session=session, threads=threads,
                  provider_options=provider_options) as prep:
+        if prefix_cache is not None:  # prefix caching across requests: _prefix, _prefix_loop
+            from ._prefix_loop import run_prefixed
+
+            return run_prefixed(prep, prefix_cache, model=model, max_new_tokens=max_new_tokens,
+                                temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stream=stream,
+                                progress=progress, cache_options=cache_options)
         return run_batch(prep, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                          seed=seed, stream=stream, progress=progress, cache_options=cache_options)

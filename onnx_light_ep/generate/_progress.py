@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-__all__ = ["Progress"]
+__all__ = ["PrefillProgress", "Progress"]
 
 
 class Progress:
@@ -25,6 +25,36 @@ class Progress:
             self.bar.update(1)
         elif self.enabled and (i + 1) % 32 == 0:
             print(f"generate: {i + 1} tokens", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+class PrefillProgress:
+    """Prompt tokens prefilled: a tqdm bar (if installed) or a stderr line per run; ``close()`` ends it.
+
+    ``__call__(done)`` takes the tokens prefilled so far (``CacheStepper.prefill``'s
+    ``progress`` gives them run by run).
+    """
+
+    def __init__(self, total: int, enabled: bool):
+        self.bar, self.enabled, self.total, self.done = None, enabled, total, 0
+        if enabled:
+            try:
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=total, desc="prefill", unit="tok", leave=False)
+            except ImportError:
+                pass
+
+    def __call__(self, done: int) -> None:
+        if self.bar is not None:
+            self.bar.update(done - self.done)
+        elif self.enabled:
+            print(f"generate: prefill {done}/{self.total} tokens", file=sys.stderr, flush=True)
+        self.done = done
 
     def close(self) -> None:
         if self.bar is not None:

@@ -10,7 +10,12 @@ __all__ = ["GenerateError", "GenerateResult"]
 
 @dataclass
 class GenerateResult:
-    """Output of :func:`generate` (times in seconds; ``tokens_per_second`` counts decode steps only)."""
+    """Output of :func:`generate` (times in seconds; ``tokens_per_second`` counts decode steps only).
+
+    ``cached_tokens``: prompt positions reused from a ``PrefixCache`` instead of
+    prefilled (0 without one); ``prefill_seconds`` then covers the lookup, the
+    fork and the prefill of the rest (the time to the first token's logits).
+    """
 
     token_ids: List[List[int]]
     texts: Optional[List[str]]
@@ -20,6 +25,7 @@ class GenerateResult:
     decode_seconds: float
     decode_steps: int
     providers: List[str] = field(default_factory=list)
+    cached_tokens: int = 0
 
     @property
     def text(self) -> Optional[str]:
