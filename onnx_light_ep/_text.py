@@ -130,16 +130,20 @@ class TextTokenizer:
         t = self._config.get("chat_template")
         return t if isinstance(t, str) else None
 
-    def chat_prompt(self, question: str) -> Optional[str]:
+    def chat_prompt(self, question: str, system: Optional[str] = None) -> Optional[str]:
         """``question`` as one user turn of the chat template, ready for the assistant; None without a template
-        (or without ``jinja2``)."""
+        (or without ``jinja2``).
+
+        ``system``: text of a system turn before it (None: the template's default, if it has one).
+        """
         if self.chat_template() is None:
             return None
         try:
             import jinja2  # noqa: F401
         except ImportError:
             return None
-        return self.render_chat([{"role": "user", "content": question}])
+        return self.render_chat(([{"role": "system", "content": system}] if system is not None else [])
+                                + [{"role": "user", "content": question}])
 
     def render_chat(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
         """The whole conversation ``messages`` (dicts with ``role`` and ``content``) rendered by the chat template.

@@ -319,3 +319,21 @@ def test_prefill_progress_on_long_prompts(mini_decoder, monkeypatch, capsys):
         assert got.token_ids == _gen(dst, p).token_ids
         _gen(dst, p[:100] + [4], pc, progress=True)   # 5 tokens left: one run, no prefill bar
         assert "prefill" not in capsys.readouterr().err
+
+
+def test_catalogue_system_prompt_reaches_the_length_within_one_line():
+    from onnx_light_ep.bench.prompts import catalogue_questions, catalogue_system_prompt
+
+    class Words:  # a tokenizer of whitespace-separated words
+        @staticmethod
+        def encode(text):
+            return text.split()
+
+    text = catalogue_system_prompt(Words, 300)
+    n, last = len(text.split()), text.rstrip("\n").rsplit("\n", 1)[-1]
+    assert 300 <= n < 300 + len(last.split()) and text.endswith(".\n")
+    assert catalogue_system_prompt(Words, 300) == text and catalogue_system_prompt(Words, 300, seed=1) != text
+    qs = catalogue_questions(6)
+    assert len(set(qs)) == 6
+    with pytest.raises(ValueError, match="num_tokens; expected >= 1"):
+        catalogue_system_prompt(Words, 0)
