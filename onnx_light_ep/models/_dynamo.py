@@ -106,3 +106,32 @@ def export_dynamo(hf_dir, out_path, opset: int = 23, *, external_data: bool = Fa
                           opset_version=opset, input_names=in_names, output_names=out_names,
                           dynamic_shapes=dyn, external_data=external_data, verbose=False)
     return out_path
+
+
+DYNAMO_EXPORT = """
+import sys
+from onnx_light_ep.models._dynamo import export_dynamo
+export_dynamo(sys.argv[1], sys.argv[2], int(sys.argv[3]), external_data=True)
+"""
+
+# Hugging Face files copied next to the export: the config names the sliding windows (convert reads it),
+# the tokenizer files make generate/compare work on text.
+HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                 "special_tokens_map.json", "chat_template.jinja")
+
+
+def dynamo_export_step(opset: int = 23):
+    """An ``export(hf_dir, out_dir, say)`` step for ``_genai_build.GenaiModel.export``: the dynamo export in a
+    subprocess (its torch memory is freed), weights in ``model.onnx.data``, then the side files."""
+    def export(hf_dir: Path, out_dir: Path, say) -> None:
+        import shutil
+        import sys
+
+        from ._genai_build import run
+
+        run([sys.executable, "-c", DYNAMO_EXPORT, str(hf_dir), str(out_dir / "model.onnx"), str(opset)], say,
+            f"export with torch.onnx (dynamo, opset {opset})")
+        for name in HF_SIDE_FILES:
+            if (Path(hf_dir) / name).is_file():
+                shutil.copy(Path(hf_dir) / name, out_dir / name)
+    return export

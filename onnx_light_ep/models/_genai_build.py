@@ -22,7 +22,7 @@ import time
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, List, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 BUILD_INFO = "build_info.json"
 GENAI_BUILDER = ("-m", "onnxruntime_genai.models.builder")
@@ -57,6 +57,8 @@ class GenaiModel:
     build_note: str = "a few minutes, ~1.2 GB disk"
     exporter: str = "onnxruntime_genai.models.builder -p fp32 -e cpu"
     extra_info: dict = field(default_factory=dict)
+    # another exporter instead of the genai builder: export(hf_dir, out_dir, say) writes out_dir
+    export: Optional[Callable[[Path, Path, Callable[[str], None]], None]] = None
 
     def say(self, progress, msg):
         if progress:
@@ -243,11 +245,15 @@ def ensure_genai_export(model: GenaiModel, cache_dir=None, progress=True,
         else:
             say(f"reusing {hf_dir}")
 
-        # Step 2: genai export into a scratch folder.
+        # Step 2: export into a scratch folder (the genai builder unless the model names another exporter).
         shutil.rmtree(out_dir, ignore_errors=True)
-        run([sys.executable, *model.builder, "-i", str(hf_dir), "-o", str(out_dir), "-p", "fp32", "-e", "cpu",
-             "-c", str(build / "cache"), *model.builder_args],
-            say, "export with the onnxruntime-genai model builder (fp32, cpu)")
+        if model.export is not None:
+            out_dir.mkdir(parents=True)
+            model.export(hf_dir, out_dir, say)
+        else:
+            run([sys.executable, *model.builder, "-i", str(hf_dir), "-o", str(out_dir), "-p", "fp32", "-e", "cpu",
+                 "-c", str(build / "cache"), *model.builder_args],
+                say, "export with the onnxruntime-genai model builder (fp32, cpu)")
         missing = [f for f in model.required_files if not (out_dir / f).is_file()]
         if model.needs_chat_template and not has_chat_template(out_dir):
             missing.append("chat template")

