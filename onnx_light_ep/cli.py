@@ -10,7 +10,8 @@ Subcommands:
   model (``onnx_light_ep.rewrite.convert``); prints the report (``--json``).
 - ``compare ORIGINAL [CONVERTED]``: original on plain ORT vs converted on the
   EP, same inputs; exit 1 on a mismatch beyond the tolerance.
-- ``generate MODEL``: greedy or sampled generation on the EP with a KVCache.
+- ``generate MODEL``: greedy, sampled or beam-search (``--num-beams N``) generation on the EP
+  with a KVCache.
 - ``chat MODEL``: interactive multi-turn chat on one KVCache (``onnx_light_ep.chat``).
 - ``demo`` (also: no arguments): the main job on SmolLM2-135M-Instruct
   (``onnx_light_ep.demo``).
@@ -148,13 +149,28 @@ def _cache_options(args: argparse.Namespace):
     return opts or None
 
 
+def _beam_options(args: argparse.Namespace):
+    return dict(num_beams=args.num_beams, length_penalty=args.length_penalty, early_stopping=args.early_stopping,
+                num_return_sequences=args.num_return_sequences)
+
+
+def _early_stopping(text: str):
+    if text in ("never",):
+        return "never"
+    if text.lower() in ("true", "1", "yes"):
+        return True
+    if text.lower() in ("false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true, false or never, got {text!r}")
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
     from .generate import GenerateError, generate
     from .rewrite import ConvertError
 
     prompts = args.prompt if args.prompt else None
     stream = None
-    if not args.no_stream and (prompts is None or len(prompts) == 1):
+    if not args.no_stream and (prompts is None or len(prompts) == 1) and args.num_beams == 1:
         def stream(piece):
             print(piece, end="", flush=True)
     try:
@@ -162,7 +178,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                        top_p=args.top_p, seed=args.seed, tokenizer_dir=args.tokenizer, stream=stream,
                        progress=not args.quiet, threads=args.threads,
-                       cache_options=_cache_options(args))
+                       cache_options=_cache_options(args), **_beam_options(args))
     except GenerateError as e:
         print()
         part = e.partial
@@ -182,6 +198,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if res.texts is None or args.ids:
         for b, ids in enumerate(res.token_ids):
             print(f"[{b}] ids: {ids}")
+    if res.sequences_scores is not None:
+        for b, (score, fin) in enumerate(zip(res.sequences_scores, res.finished)):
+            print(f"[{b}] score {score:.5f} ({'ended on EOS' if fin else 'at max-new-tokens'})")
+        copied = res.bytes_copied_per_step or [0]
+        print(f"beam search, {res.num_beams} beams: {res.decode_steps} batch-{res.num_beams} decode runs; KV bytes "
+              f"copied per step mean {sum(copied) / len(copied):.0f}, max {max(copied)}; committed "
+              f"{(res.committed_bytes_per_step or [0])[-1]} bytes at the end", file=sys.stderr)
     n = sum(map(len, res.token_ids))
     rate = f"decode {res.tokens_per_second:.1f} tokens/s" if res.decode_steps else "no decode step"
     print(f"{n} tokens; prefill {res.prefill_seconds * 1e3:.1f} ms; {rate} on {res.providers[0]}", file=sys.stderr)
@@ -288,6 +311,15 @@ def _add_rewrite_commands(sub) -> None:
                    "(default 128)")
     p.add_argument("--sink-tokens", type=int, default=None, help="with --kv-quant: first positions kept native "
                    "(default 4)")
+    p.add_argument("--num-beams", type=int, default=1, metavar="N",
+                   help="beam search with N >= 2 beams (transformers' semantics; greedy, one cache forked per prompt)")
+    p.add_argument("--length-penalty", type=float, default=1.0, metavar="X",
+                   help="beam search: a finished hypothesis scores sum_logprobs / length ** X")
+    p.add_argument("--early-stopping", type=_early_stopping, nargs="?", const=True, default=False,
+                   metavar="never", help="beam search: stop once N hypotheses are finished; 'never' = only when "
+                   "no beam can improve at max length")
+    p.add_argument("--num-return-sequences", type=int, default=1, metavar="K",
+                   help="beam search: print the K best hypotheses")
     p.add_argument("--no-stream", action="store_true")
     p.add_argument("--ids", action="store_true", help="also print the generated token ids")
     p.add_argument("-q", "--quiet", action="store_true")

@@ -13,8 +13,11 @@ model folder's ``genai_config.json``/``generation_config.json``/tokenizer, or
 ``tokenizer.json`` next to the model (or ``tokenizer_dir``) and the
 ``tokenizers`` package; otherwise pass ``prompt_ids``.
 
+``num_beams >= 2`` selects beam search (``_beam``: transformers' semantics,
+one prefill forked into the beams, ``reorder`` per step).
+
 Modules: ``_prepare`` (arguments, model, tokenizer, session), ``_greedy``
-(the padded batch loop), ``_stepper`` (runs of equal-length rows on one
+(the padded batch loop), ``_beam`` (beam search), ``_stepper`` (runs of equal-length rows on one
 cache, for the loops built on fork/reorder/truncate), ``_sampling``,
 ``_result``, ``_progress``; ``_prefix`` (:class:`PrefixCache`: K/V of prompt
 prefixes reused across requests) and ``_prefix_loop`` (its batch-1 loop).
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional, Sequence, Union
 
+from ._beam import BeamSearch, check_beam_arguments, run_beam
 from ._greedy import run_batch
 from ._prefix import PrefixCache, PrefixMatch
 from ._prepare import CACHE_OPTIONS, check_cache_options, check_sampling, prepare
@@ -31,8 +35,8 @@ from ._result import GenerateError, GenerateResult
 from ._sampling import sample_next
 from ._stepper import CacheStepper
 
-__all__ = ["CACHE_OPTIONS", "CacheStepper", "GenerateError", "GenerateResult", "PrefixCache", "PrefixMatch",
-           "generate", "sample_next"]
+__all__ = ["BeamSearch", "CACHE_OPTIONS", "CacheStepper", "GenerateError", "GenerateResult", "PrefixCache",
+           "PrefixMatch", "generate", "sample_next"]
 
 
 def generate(model, prompt: Union[str, Sequence[str], None] = None, *,
@@ -41,7 +45,9 @@ def generate(model, prompt: Union[str, Sequence[str], None] = None, *,
              eos_token_ids: Optional[Sequence[int]] = None, tokenizer_dir: Optional[str] = None,
              stream: Optional[Callable[[str], None]] = None, progress: bool = False, session=None,
              threads: Optional[int] = None, provider_options=None,
-             cache_options: Optional[dict] = None, prefix_cache: Optional[PrefixCache] = None) -> GenerateResult:
+             cache_options: Optional[dict] = None, prefix_cache: Optional[PrefixCache] = None,
+             num_beams: int = 1, length_penalty: float = 1.0, early_stopping: Union[bool, str] = False,
+             num_return_sequences: int = 1) -> GenerateResult:
     """Generate from a converted model (``onnx_light_ep.convert``) on the EP.
 
     Args:
@@ -66,6 +72,16 @@ def generate(model, prompt: Union[str, Sequence[str], None] = None, *,
             run's (the same arithmetic on the same K/V; logits may differ in
             the last bits, as a chunked prefill's do). ``cache_options`` must
             not name another pool or ``kv_quant``.
+        num_beams: 1 = the greedy/sampled loop; ``N >= 2`` = beam search with
+            transformers' ``generate(num_beams=N, do_sample=False)`` semantics
+            (``onnx_light_ep.generate._beam``; greedy only: ``temperature`` must be 0,
+            no ``stream``); each prompt is searched in turn on its own cache.
+        length_penalty: beam search: a finished hypothesis scores
+            ``sum_logprobs / generated_length ** length_penalty``.
+        early_stopping: beam search: True (stop once ``num_beams`` hypotheses are
+            finished), False (transformers' heuristic) or ``"never"``.
+        num_return_sequences: beam search: the best hypotheses returned per prompt
+            (1 <= n <= num_beams), as rows of the result.
 
     Returns:
         :class:`GenerateResult`.
@@ -80,6 +96,21 @@ def generate(model, prompt: Union[str, Sequence[str], None] = None, *,
     if prefix_cache is not None and not isinstance(prefix_cache, PrefixCache):
         raise ValueError(f"generate: prefix_cache; expected a PrefixCache or None, got {type(prefix_cache).__name__}")
     check_sampling(temperature, top_k, top_p)
+    # -- beam search (num_beams >= 2): onnx_light_ep.generate._beam --------------------------------
+    beam = check_beam_arguments(num_beams, length_penalty, early_stopping, num_return_sequences,
+                                temperature=temperature, stream=stream)
+    if beam:
+        if prefix_cache is not None:
+            raise ValueError("generate: prefix_cache; expected None with num_beams >= 2 (beam search prefills "
+                             "its prompt once on its own cache)")
+        with prepare(model, prompt, prompt_ids=prompt_ids, chat=chat, max_new_tokens=max_new_tokens,
+                     eos_token_ids=eos_token_ids, tokenizer_dir=tokenizer_dir, session=session, threads=threads,
+                     provider_options=provider_options) as prep:
+            return run_beam(prep, num_beams=num_beams, max_new_tokens=max_new_tokens,
+                            length_penalty=length_penalty, early_stopping=early_stopping,
+                            num_return_sequences=num_return_sequences, progress=progress,
+                            cache_options=cache_options)
+    # -- end of beam search ---------------------------------------------------------------------------
     with prepare(model, prompt, prompt_ids=prompt_ids, chat=chat, max_new_tokens=max_new_tokens,
                  eos_token_ids=eos_token_ids, tokenizer_dir=tokenizer_dir, session=session, threads=threads,
                  provider_options=provider_options) as prep:

@@ -10,7 +10,19 @@ __all__ = ["GenerateError", "GenerateResult"]
 
 @dataclass
 class GenerateResult:
-    """Output of :func:`generate` (times in seconds; ``tokens_per_second`` counts decode steps only).
+    """Output of :func:`generate` (times in seconds; ``tokens_per_second`` counts decode steps only,
+    ``decode_rows`` tokens per step under beam search, else one per returned row).
+
+    Beam search (``num_beams >= 2``) fills the fields after ``providers``:
+    ``token_ids``/``texts`` are then the ``num_return_sequences`` best
+    hypotheses of each prompt, best first (without the EOS token; ``finished``
+    says which ended on one), ``sequences_scores`` their scores (transformers'
+    ``sequences_scores``: sum of log-probabilities, EOS included, divided by
+    generated_length ** length_penalty), ``decode_rows`` the rows of each decode
+    run (``num_beams``), ``bytes_copied_per_step`` the K/V bytes the cache copied
+    in each decode run (delta of ``KVCache.stats()["bytes_copied"]``: tail pages
+    copied on write after a reorder) and ``committed_bytes_per_step`` the cache's
+    committed page bytes after it. The other loops leave the defaults.
 
     ``cached_tokens``: prompt positions reused from a ``PrefixCache`` instead of
     prefilled (0 without one); ``prefill_seconds`` then covers the lookup, the
@@ -26,6 +38,11 @@ class GenerateResult:
     decode_steps: int
     providers: List[str] = field(default_factory=list)
     cached_tokens: int = 0
+    num_beams: int = 1
+    decode_rows: Optional[int] = None
+    sequences_scores: Optional[List[float]] = None
+    bytes_copied_per_step: Optional[List[int]] = None
+    committed_bytes_per_step: Optional[List[int]] = None
 
     @property
     def text(self) -> Optional[str]:
@@ -33,7 +50,7 @@ class GenerateResult:
 
     @property
     def tokens_per_second(self) -> float:
-        n = self.decode_steps * len(self.token_ids)
+        n = self.decode_steps * (self.decode_rows if self.decode_rows is not None else len(self.token_ids))
         return n / self.decode_seconds if self.decode_seconds > 0 else float("nan")
 
 
