@@ -54,6 +54,13 @@ def test_beam_matches_reference_on_gathered_pasts(mini_decoder, n, eos, lp, es):
     _check_against_reference(src, dst, PROMPT, n, eos, 12, lp, es)
 
 
+@pytest.mark.parametrize("max_new", [1, 2])
+def test_beam_few_new_tokens(mini_decoder, max_new):
+    """At max_new_tokens every candidate finishes: one token = the N best first tokens, no decode run."""
+    src, dst = mini_decoder(**KW)
+    _check_against_reference(src, dst, PROMPT, 3, [13], max_new, 1.0, False)
+
+
 def test_reference_cases_exercise_eos_and_early_stop(mini_decoder):
     """The cases above are not vacuous: some hypotheses end on EOS, some searches stop before max_new_tokens,
     early_stopping changes the result, and so does the length penalty."""
