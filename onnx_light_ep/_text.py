@@ -99,6 +99,12 @@ class TextTokenizer:
         tid = self._tok.convert_tokens_to_ids(token)
         return tid if isinstance(tid, int) else None
 
+    def vocab_size(self) -> int:
+        """Token ids the tokenizer knows, added tokens included."""
+        if self._kind == "tokenizers":
+            return int(self._tok.get_vocab_size(with_added_tokens=True))
+        return int(len(self._tok))
+
     def encode(self, text: str) -> List[int]:
         if self._kind == "tokenizers":
             return list(self._tok.encode(text, add_special_tokens=False).ids)

@@ -20,7 +20,10 @@ Modules: ``_prepare`` (arguments, model, tokenizer, session), ``_greedy``
 (the padded batch loop), ``_beam`` (beam search), ``_stepper`` (runs of equal-length rows on one
 cache, for the loops built on fork/reorder/truncate), ``_sampling``,
 ``_result``, ``_progress``; ``_prefix`` (:class:`PrefixCache`: K/V of prompt
-prefixes reused across requests) and ``_prefix_loop`` (its batch-1 loop).
+prefixes reused across requests) and ``_prefix_loop`` (its batch-1 loop);
+``_beam`` (beam search on fork + reorder); ``_speculative`` (greedy
+speculative decoding: prompt-lookup or draft-model drafts verified in one run,
+rolled back with ``KVCache.truncate``).
 """
 
 from __future__ import annotations
@@ -33,10 +36,11 @@ from ._prefix import PrefixCache, PrefixMatch
 from ._prepare import CACHE_OPTIONS, check_cache_options, check_sampling, prepare
 from ._result import GenerateError, GenerateResult
 from ._sampling import sample_next
+from ._speculative import SPECULATIVE_MODES, prompt_lookup_drafts
 from ._stepper import CacheStepper
 
 __all__ = ["BeamSearch", "CACHE_OPTIONS", "CacheStepper", "GenerateError", "GenerateResult", "PrefixCache",
-           "PrefixMatch", "generate", "sample_next"]
+           "PrefixMatch", "SPECULATIVE_MODES", "generate", "prompt_lookup_drafts", "sample_next"]
 
 
 def generate(model, prompt: Union[str, Sequence[str], None] = None, *,
@@ -47,7 +51,8 @@ def generate(model, prompt: Union[str, Sequence[str], None] = None, *,
              threads: Optional[int] = None, provider_options=None,
              cache_options: Optional[dict] = None, prefix_cache: Optional[PrefixCache] = None,
              num_beams: int = 1, length_penalty: float = 1.0, early_stopping: Union[bool, str] = False,
-             num_return_sequences: int = 1) -> GenerateResult:
+             num_return_sequences: int = 1, speculative: Optional[str] = None, num_draft_tokens: int = 5,
+             max_ngram_size: int = 3, draft_model=None) -> GenerateResult:
     """Generate from a converted model (``onnx_light_ep.convert``) on the EP.
 
     Args:
@@ -82,6 +87,18 @@ def generate(model, prompt: Union[str, Sequence[str], None] = None, *,
             finished), False (transformers' heuristic) or ``"never"``.
         num_return_sequences: beam search: the best hypotheses returned per prompt
             (1 <= n <= num_beams), as rows of the result.
+        speculative: None (one token per run), ``"prompt-lookup"`` (n-gram
+            drafts from the prompt and the generated tokens) or ``"draft"``
+            (drafts from ``draft_model``): greedy speculative decoding, the
+            drafts verified in one run of the target and the rejected ones
+            truncated from its cache; the tokens are plain greedy decoding's
+            (``_speculative``; docs/API.md "Speculative decoding"). Needs
+            ``temperature == 0``; rows are decoded one after the other.
+        num_draft_tokens: int >= 1, the most drafts per verification run (K).
+        max_ngram_size: int >= 1, prompt-lookup: the longest suffix looked up.
+        draft_model: ``speculative="draft"``: path of a converted model with
+            the target's vocabulary (a smaller or quantized model); its cache
+            shares the target cache's ``KVPool``.
 
     Returns:
         :class:`GenerateResult`.
@@ -99,10 +116,10 @@ def generate(model, prompt: Union[str, Sequence[str], None] = None, *,
     # -- beam search (num_beams >= 2): onnx_light_ep.generate._beam --------------------------------
     beam = check_beam_arguments(num_beams, length_penalty, early_stopping, num_return_sequences,
                                 temperature=temperature, stream=stream)
+    if sum((prefix_cache is not None, bool(beam), speculative is not None)) > 1:
+        raise ValueError("generate: prefix_cache, num_beams >= 2 and speculative; expected at most one of them "
+                         "(each runs its own loop)")
     if beam:
-        if prefix_cache is not None:
-            raise ValueError("generate: prefix_cache; expected None with num_beams >= 2 (beam search prefills "
-                             "its prompt once on its own cache)")
         with prepare(model, prompt, prompt_ids=prompt_ids, chat=chat, max_new_tokens=max_new_tokens,
                      eos_token_ids=eos_token_ids, tokenizer_dir=tokenizer_dir, session=session, threads=threads,
                      provider_options=provider_options) as prep:
@@ -111,6 +128,15 @@ def generate(model, prompt: Union[str, Sequence[str], None] = None, *,
                             num_return_sequences=num_return_sequences, progress=progress,
                             cache_options=cache_options)
     # -- end of beam search ---------------------------------------------------------------------------
+    # -- speculative decoding (_speculative) --
+    if speculative is not None:
+        return _generate_speculative(model, prompt, prompt_ids=prompt_ids, chat=chat, max_new_tokens=max_new_tokens,
+                                     temperature=temperature, eos_token_ids=eos_token_ids,
+                                     tokenizer_dir=tokenizer_dir, stream=stream, progress=progress, session=session,
+                                     threads=threads, provider_options=provider_options,
+                                     cache_options=cache_options, speculative=speculative,
+                                     num_draft_tokens=num_draft_tokens, max_ngram_size=max_ngram_size,
+                                     draft_model=draft_model)
     with prepare(model, prompt, prompt_ids=prompt_ids, chat=chat, max_new_tokens=max_new_tokens,
                  eos_token_ids=eos_token_ids, tokenizer_dir=tokenizer_dir, session=session, threads=threads,
                  provider_options=provider_options) as prep:
@@ -122,3 +148,31 @@ def generate(model, prompt: Union[str, Sequence[str], None] = None, *,
                                 progress=progress, cache_options=cache_options)
         return run_batch(prep, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                          seed=seed, stream=stream, progress=progress, cache_options=cache_options)
+
+
+def _generate_speculative(model, prompt, *, prompt_ids, chat, max_new_tokens, temperature, eos_token_ids,
+                          tokenizer_dir, stream, progress, session, threads, provider_options, cache_options,
+                          speculative, num_draft_tokens, max_ngram_size, draft_model) -> GenerateResult:
+    """``generate(speculative=...)``: check, prepare the target (and the draft model), run ``_speculative``."""
+    from ._speculative import check_draft_vocab, check_speculative, run_speculative
+
+    check_speculative(speculative, num_draft_tokens=num_draft_tokens, max_ngram_size=max_ngram_size,
+                      draft_model=draft_model, temperature=temperature)
+    with prepare(model, prompt, prompt_ids=prompt_ids, chat=chat, max_new_tokens=max_new_tokens,
+                 eos_token_ids=eos_token_ids, tokenizer_dir=tokenizer_dir, session=session, threads=threads,
+                 provider_options=provider_options) as prep:
+        if draft_model is None:
+            return run_speculative(prep, speculative=speculative, num_draft_tokens=num_draft_tokens,
+                                   max_ngram_size=max_ngram_size, max_new_tokens=max_new_tokens, stream=stream,
+                                   progress=progress, cache_options=cache_options)
+        longest = max(len(r) for r in prep.rows)
+        try:  # placeholder ids of the longest row's length: positions are checked here, the vocabulary below
+            draft = prepare(draft_model, prompt_ids=[[0] * longest], max_new_tokens=max_new_tokens,
+                            threads=threads, provider_options=provider_options)
+        except (ValueError, FileNotFoundError) as e:
+            raise type(e)(f"generate: draft_model: {str(e).removeprefix('generate: ')}") from e
+        with draft:
+            check_draft_vocab(prep, draft)
+            return run_speculative(prep, speculative=speculative, num_draft_tokens=num_draft_tokens,
+                                   max_ngram_size=max_ngram_size, draft=draft, max_new_tokens=max_new_tokens,
+                                   stream=stream, progress=progress, cache_options=cache_options)

@@ -43,6 +43,11 @@ class GenerateResult:
     sequences_scores: Optional[List[float]] = None
     bytes_copied_per_step: Optional[List[int]] = None
     committed_bytes_per_step: Optional[List[int]] = None
+    # -- speculative decoding (generate(speculative=...)): drafts verified / accepted over every row, and the
+    # tokens the decode runs gave (a verification run gives 1 + its accepted drafts; None: one per row and step).
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    decode_tokens: Optional[int] = None
 
     @property
     def text(self) -> Optional[str]:
@@ -50,8 +55,16 @@ class GenerateResult:
 
     @property
     def tokens_per_second(self) -> float:
-        n = self.decode_steps * (self.decode_rows if self.decode_rows is not None else len(self.token_ids))
+        if self.decode_tokens is not None:
+            n = self.decode_tokens
+        else:
+            n = self.decode_steps * (self.decode_rows if self.decode_rows is not None else len(self.token_ids))
         return n / self.decode_seconds if self.decode_seconds > 0 else float("nan")
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Speculative decoding: ``accepted_tokens / draft_tokens`` (NaN when nothing was drafted)."""
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else float("nan")
 
 
 class GenerateError(RuntimeError):
