@@ -10,8 +10,8 @@ Subcommands:
   model (``onnx_light_ep.rewrite.convert``); prints the report (``--json``).
 - ``compare ORIGINAL [CONVERTED]``: original on plain ORT vs converted on the
   EP, same inputs; exit 1 on a mismatch beyond the tolerance.
-- ``generate MODEL``: greedy, sampled or beam-search (``--num-beams N``) generation on the EP
-  with a KVCache.
+- ``generate MODEL``: greedy, sampled, beam-search (``--num-beams N``) or speculative
+  (``--speculative prompt-lookup|draft``, greedy) generation on the EP with a KVCache.
 - ``chat MODEL``: interactive multi-turn chat on one KVCache (``onnx_light_ep.chat``).
 - ``demo`` (also: no arguments): the main job on SmolLM2-135M-Instruct
   (``onnx_light_ep.demo``).
@@ -20,6 +20,7 @@ Subcommands:
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import List, Optional
 
@@ -164,9 +165,47 @@ def _early_stopping(text: str):
     raise argparse.ArgumentTypeError(f"expected true, false or never, got {text!r}")
 
 
+def _speculative_options(args: argparse.Namespace) -> dict:
+    """generate() keywords of --speculative/--num-draft-tokens/--max-ngram-size/--draft-model
+    (ValueError naming the flag)."""
+    if args.speculative is None:
+        for flag, value in (("--num-draft-tokens", args.num_draft_tokens), ("--max-ngram-size", args.max_ngram_size),
+                            ("--draft-model", args.draft_model)):
+            if value is not None:
+                raise ValueError(f"{flag}; only used with --speculative, got it without")
+        return {}
+    if args.temperature > 0:
+        raise ValueError(f"--temperature; --speculative is greedy only: expected 0, got {args.temperature}")
+    if args.num_draft_tokens is not None and args.num_draft_tokens < 1:
+        raise ValueError(f"--num-draft-tokens; expected an int >= 1, got {args.num_draft_tokens}")
+    if args.max_ngram_size is not None and (args.max_ngram_size < 1 or args.speculative != "prompt-lookup"):
+        raise ValueError(f"--max-ngram-size; expected an int >= 1 with --speculative prompt-lookup, got "
+                         f"{args.max_ngram_size} with --speculative {args.speculative}")
+    if (args.speculative == "draft") != (args.draft_model is not None):
+        raise ValueError("--draft-model; expected the converted draft model's path with --speculative draft"
+                         if args.draft_model is None else
+                         f"--draft-model; only used with --speculative draft, got it with --speculative "
+                         f"{args.speculative}")
+    if args.draft_model is not None and not os.path.isfile(args.draft_model):
+        raise ValueError(f"--draft-model; expected a converted ONNX file, got {args.draft_model!r} "
+                         f"({'a folder' if os.path.isdir(args.draft_model) else 'not found'})")
+    out = {"speculative": args.speculative, "draft_model": args.draft_model}
+    if args.num_draft_tokens is not None:
+        out["num_draft_tokens"] = args.num_draft_tokens
+    if args.max_ngram_size is not None:
+        out["max_ngram_size"] = args.max_ngram_size
+    return out
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
     from .generate import GenerateError, generate
     from .rewrite import ConvertError
+
+    try:
+        spec = _speculative_options(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
     prompts = args.prompt if args.prompt else None
     stream = None
@@ -178,7 +217,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                        top_p=args.top_p, seed=args.seed, tokenizer_dir=args.tokenizer, stream=stream,
                        progress=not args.quiet, threads=args.threads,
-                       cache_options=_cache_options(args), **_beam_options(args))
+                       cache_options=_cache_options(args), **_beam_options(args), **spec)
     except GenerateError as e:
         print()
         part = e.partial
@@ -208,6 +247,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     n = sum(map(len, res.token_ids))
     rate = f"decode {res.tokens_per_second:.1f} tokens/s" if res.decode_steps else "no decode step"
     print(f"{n} tokens; prefill {res.prefill_seconds * 1e3:.1f} ms; {rate} on {res.providers[0]}", file=sys.stderr)
+    if spec:
+        print(f"speculative {spec['speculative']}: {res.accepted_tokens} of {res.draft_tokens} draft tokens "
+              f"accepted ({res.acceptance_rate:.0%}) in {res.decode_steps} verification runs", file=sys.stderr)
     if n == 0:
         print("note: the first token was end-of-sequence; an instruct model usually needs --chat", file=sys.stderr)
     return 0
@@ -320,6 +362,15 @@ def _add_rewrite_commands(sub) -> None:
                    "no beam can improve at max length")
     p.add_argument("--num-return-sequences", type=int, default=1, metavar="K",
                    help="beam search: print the K best hypotheses")
+    p.add_argument("--speculative", choices=("prompt-lookup", "draft"), default=None,
+                   help="greedy speculative decoding: drafts from n-gram lookup in the prompt or from --draft-model, "
+                        "verified in one run (the same tokens as greedy)")
+    p.add_argument("--num-draft-tokens", type=int, default=None, metavar="K",
+                   help="with --speculative: the most drafts per verification run (default 5)")
+    p.add_argument("--max-ngram-size", type=int, default=None, metavar="N",
+                   help="with --speculative prompt-lookup: the longest suffix looked up (default 3)")
+    p.add_argument("--draft-model", default=None, metavar="PATH",
+                   help="with --speculative draft: a converted model with the same vocabulary")
     p.add_argument("--no-stream", action="store_true")
     p.add_argument("--ids", action="store_true", help="also print the generated token ids")
     p.add_argument("-q", "--quiet", action="store_true")
