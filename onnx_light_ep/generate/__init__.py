@@ -52,7 +52,7 @@ def generate(model, prompt: Union[str, Sequence[str], None] = None, *,
              cache_options: Optional[dict] = None, prefix_cache: Optional[PrefixCache] = None,
              num_beams: int = 1, length_penalty: float = 1.0, early_stopping: Union[bool, str] = False,
              num_return_sequences: int = 1, speculative: Optional[str] = None, num_draft_tokens: int = 5,
-             max_ngram_size: int = 3, draft_model=None) -> GenerateResult:
+             max_ngram_size: int = 3, draft_model=None, draft_session=None) -> GenerateResult:
     """Generate from a converted model (``onnx_light_ep.convert``) on the EP.
 
     Args:
@@ -99,6 +99,7 @@ def generate(model, prompt: Union[str, Sequence[str], None] = None, *,
         draft_model: ``speculative="draft"``: path of a converted model with
             the target's vocabulary (a smaller or quantized model); its cache
             shares the target cache's ``KVPool``.
+        draft_session: an existing EP session of ``draft_model`` to reuse.
 
     Returns:
         :class:`GenerateResult`.
@@ -136,7 +137,7 @@ def generate(model, prompt: Union[str, Sequence[str], None] = None, *,
                                      threads=threads, provider_options=provider_options,
                                      cache_options=cache_options, speculative=speculative,
                                      num_draft_tokens=num_draft_tokens, max_ngram_size=max_ngram_size,
-                                     draft_model=draft_model)
+                                     draft_model=draft_model, draft_session=draft_session)
     with prepare(model, prompt, prompt_ids=prompt_ids, chat=chat, max_new_tokens=max_new_tokens,
                  eos_token_ids=eos_token_ids, tokenizer_dir=tokenizer_dir, session=session, threads=threads,
                  provider_options=provider_options) as prep:
@@ -152,12 +153,13 @@ def generate(model, prompt: Union[str, Sequence[str], None] = None, *,
 
 def _generate_speculative(model, prompt, *, prompt_ids, chat, max_new_tokens, temperature, eos_token_ids,
                           tokenizer_dir, stream, progress, session, threads, provider_options, cache_options,
-                          speculative, num_draft_tokens, max_ngram_size, draft_model) -> GenerateResult:
+                          speculative, num_draft_tokens, max_ngram_size, draft_model,
+                          draft_session) -> GenerateResult:
     """``generate(speculative=...)``: check, prepare the target (and the draft model), run ``_speculative``."""
     from ._speculative import check_draft_vocab, check_speculative, run_speculative
 
     check_speculative(speculative, num_draft_tokens=num_draft_tokens, max_ngram_size=max_ngram_size,
-                      draft_model=draft_model, temperature=temperature)
+                      draft_model=draft_model, temperature=temperature, draft_session=draft_session)
     with prepare(model, prompt, prompt_ids=prompt_ids, chat=chat, max_new_tokens=max_new_tokens,
                  eos_token_ids=eos_token_ids, tokenizer_dir=tokenizer_dir, session=session, threads=threads,
                  provider_options=provider_options) as prep:
@@ -168,7 +170,7 @@ def _generate_speculative(model, prompt, *, prompt_ids, chat, max_new_tokens, te
         longest = max(len(r) for r in prep.rows)
         try:  # placeholder ids of the longest row's length: positions are checked here, the vocabulary below
             draft = prepare(draft_model, prompt_ids=[[0] * longest], max_new_tokens=max_new_tokens,
-                            threads=threads, provider_options=provider_options)
+                            session=draft_session, threads=threads, provider_options=provider_options)
         except (ValueError, FileNotFoundError) as e:
             raise type(e)(f"generate: draft_model: {str(e).removeprefix('generate: ')}") from e
         with draft:

@@ -48,7 +48,7 @@ SPECULATIVE_MODES = ("prompt-lookup", "draft")
 
 
 def check_speculative(speculative: str, *, num_draft_tokens: int, max_ngram_size: int, draft_model,
-                      temperature: float) -> None:
+                      temperature: float, draft_session=None) -> None:
     """Validate the speculative-decoding arguments of ``generate`` (``ValueError`` naming the argument)."""
     if speculative not in SPECULATIVE_MODES:
         raise ValueError(f"generate: speculative; expected one of {', '.join(map(repr, SPECULATIVE_MODES))} or "
@@ -66,6 +66,9 @@ def check_speculative(speculative: str, *, num_draft_tokens: int, max_ngram_size
     if speculative != "draft" and draft_model is not None:
         raise ValueError(f"generate: draft_model; only used with speculative='draft', got it with "
                          f"speculative={speculative!r}")
+    if draft_session is not None and draft_model is None:
+        raise ValueError("generate: draft_session; expected it with draft_model (the session's model file), "
+                         "got it without")
 
 
 def prompt_lookup_drafts(ids: Sequence[int], num_draft_tokens: int, max_ngram_size: int = 3,

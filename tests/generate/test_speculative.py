@@ -206,10 +206,11 @@ def test_draft_and_target_caches_share_one_pool(mini_decoder):
     _, dst = mini_decoder()
     _, drf = mini_decoder(name="draft", seed=7)
     with KVPool() as pool:
-        sess = _Recording(dst, pool=pool)
-        generate(dst, prompt_ids=[_prompts(1)[0]], max_new_tokens=30, speculative="draft", draft_model=drf,
-                 session=sess, cache_options={"pool": pool})
-        assert set(sess.caches) == {2}       # every target run saw both caches in the given pool
+        sess, dsess = _Recording(dst, pool=pool), _Recording(drf, pool=pool)
+        got = generate(dst, prompt_ids=[_prompts(1)[0]], max_new_tokens=30, speculative="draft", draft_model=drf,
+                       session=sess, draft_session=dsess, cache_options={"pool": pool})
+        assert set(sess.caches) == set(dsess.caches) == {2}   # every run saw both caches in the given pool
+        assert len(dsess.caches) == 1 + got.draft_tokens        # its prefill, then one run per draft
         assert pool.stats()["num_caches"] == 0 and pool.stats()["live_bytes"] == 0
 
 
@@ -264,6 +265,7 @@ def test_speculative_arguments_are_checked(mini_decoder):
         (dict(speculative="prompt-lookup", max_ngram_size=0), r"max_ngram_size; expected an int >= 1, got 0"),
         (dict(speculative="draft"), r"draft_model; expected the path of a converted draft model"),
         (dict(speculative="prompt-lookup", draft_model=dst), r"draft_model; only used with speculative='draft'"),
+        (dict(speculative="prompt-lookup", draft_session=object()), r"draft_session; expected it with draft_model"),
     ]
     for kw, msg in cases:
         with pytest.raises(ValueError, match=msg):
