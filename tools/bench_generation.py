@@ -16,6 +16,9 @@ add_arguments(parser))``):
   reorder) vs plain ORT with per-beam gathered pasts vs onnxruntime-genai's beam search.
 - ``prefix_cache`` (``gen_prefix``): time to first token of a request sharing a ~2K-token system
   prompt with an earlier one, cold vs warm, and the bytes the PrefixCache holds.
+- ``speculative`` (``gen_speculative``): prompt-lookup and draft-model speculative decoding
+  against plain greedy on a copy task: decode tokens per second (wall and CPU), acceptance, and
+  whether the tokens equal greedy's.
 """
 from __future__ import annotations
 
@@ -31,11 +34,11 @@ sys.path.insert(0, ROOT)
 
 # -- driver ----------------------------------------------------------------------------------------
 
-from onnx_light_ep.bench import gen_beam, gen_prefix  # noqa: E402
+from onnx_light_ep.bench import gen_beam, gen_prefix, gen_speculative  # noqa: E402
 
 SECTIONS: Dict[str, Callable] = {}
 SECTION_ARGUMENTS: Dict[str, Callable] = {}
-for _name, _run, _add in (gen_beam.SECTION, gen_prefix.SECTION):
+for _name, _run, _add in (gen_beam.SECTION, gen_prefix.SECTION, gen_speculative.SECTION):
     SECTIONS[_name], SECTION_ARGUMENTS[_name] = _run, _add
 
 
@@ -45,6 +48,7 @@ def main(argv=None) -> int:
     ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, of {', '.join(SECTIONS)}")
     ap.add_argument("--threads", default="1,0", help="intra-op thread counts, 0 = ORT's default")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--reps", type=int, default=3, help="repetitions of the prefix_cache and speculative sections")
     ap.add_argument("--benchmarks-md", default=None, metavar="FILE",
                     help="replace each run section's block bench_generation_NAME of FILE")
     for add in SECTION_ARGUMENTS.values():

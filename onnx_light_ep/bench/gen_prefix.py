@@ -122,7 +122,6 @@ def _context(args, threads: int) -> Dict:
 
 def add_prefix_cache_arguments(ap) -> None:
     g = ap.add_argument_group("prefix_cache")
-    g.add_argument("--reps", type=int, default=3, help="repetitions (default 3)")
     g.add_argument("--system-tokens", type=int, default=2048, help="system prompt length (default 2048)")
 
 
