@@ -79,3 +79,15 @@ def test_smollm2_precision_is_checked():
 
     with pytest.raises(ValueError, match=r"precision; expected one of fp32, int4, got 'int8'"):
         ensure_smollm2_onnx(progress=False, precision="int8")
+
+
+def test_smollm2_speculative_streams_the_text(smollm2):
+    target, sess, _ = smollm2
+    pieces = {}
+    for mode in (None, "prompt-lookup"):
+        got = []
+        res = generate(target, "List three colours.", chat=True, max_new_tokens=24, session=sess, speculative=mode,
+                       stream=got.append)
+        assert "".join(got) == res.text and len(got) > 3
+        pieces[mode] = "".join(got)
+    assert pieces["prompt-lookup"] == pieces[None]
