@@ -101,12 +101,13 @@ constexpr int64_t pv_passes(int64_t Dv) {
 
 // P.V on int8 V codes in row pairs (KVEncoding::kInt8, kv_block.h), 16-bit fixed point: per
 // output row, the tile's weights w_t = p_t * value_scale_t are rounded to int16 relative to the
-// tile's largest, wq_t = round(w_t * 32767 / w_max) (relative error <= 2^-16 of w_max), and
-// each V row pair meets a pair of weights in one exact int32 pair dot product per channel
-// (V::idot); o = o * corr + (w_max / 32767) * sum * wpre (wpre = 2^-100 for a tiny tile). `words` [RB] hold a row's int16 weights
-// laid out as the V pairs are (weight of pair row i at words[rr][i]), `npairs` pairs from
-// `pairs` (the V row pair of the tile's first key); sums stay below 2^31 (W / 2 + 1 pairs of
-// 2 * 32767 * 127).
+// tile's largest, wq_t = round(w_t * 32767 / w_max) (each within 2^-16 of w_max: summed over
+// the tile's keys, up to W times 2^-16 of the output's scale; the bound is in docs/API.md,
+// "Quantized pages", P.V error bound), and each V row pair meets a pair of weights in one exact
+// int32 pair dot product per channel (V::idot); o = o * corr + (w_max / 32767) * sum * wpre
+// (wpre = 2^-100 for a tiny tile). `words` [RB] hold a row's int16 weights laid out as the V
+// pairs are (weight of pair row i at words[rr][i]), `npairs` pairs from `pairs` (the V row pair
+// of the tile's first key); sums stay below 2^31 (W / 2 + 1 pairs of 2 * 32767 * 127).
 template <class V, int RB, int NU>
 OLEP_HOT void pv_block_i16(float* const* acc, const int16_t* const* words, const float* wscale, const float* wpre,
                            const float* corr,
