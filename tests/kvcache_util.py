@@ -176,8 +176,9 @@ class RefCache:
         # dequantized ones) once it lies wholly in [sink_tokens rounded up to pages, len - recent).
         self.kv_quant, self.recent, self.sink = kv_quant, int(recent_tokens), int(sink_tokens)
         self.qnext = [[0] * batch_size for _ in range(num_layers)]
-        # qmeta[l][b][(h, blk)]: the codec's K codes and scales (int4: and minimums) of a quantized
-        # block, for the kernels' fixed-point scores (reference.ref_attn int8_pages)
+        # qmeta[l][b][(h, blk)]: (the codec's K codes and scales (int4: and minimums), its V codes
+        # and steps) of a quantized block, for the kernels' fixed-point scores (reference.ref_attn
+        # int8_pages) and P.V weights (reference.pv_rounding_atol)
         self.qmeta = [[{} for _ in range(batch_size)] for _ in range(num_layers)]
         # Sliding-window eviction (docs/API.md): per layer window (0 = none); first[l][b] is the
         # first position layer l of sequence b still holds.
@@ -224,7 +225,7 @@ class RefCache:
         """After a commit (and the eviction): quantized cold pages, as the cache does."""
         if self.kv_quant is None:
             return
-        from reference import quantize_page
+        from reference import quantize_page, value_codes
 
         P = self.P
         for l in range(self.L):
@@ -238,8 +239,9 @@ class RefCache:
                         k, v = self.k[l][b][h, sl], self.v[l][b][h, sl]
                         if np.all(np.isfinite(k)) and np.all(np.isfinite(v)):
                             dk, dv, *meta = quantize_page(self.kv_quant, k, v, codes=True)
+                            vmeta = value_codes(self.kv_quant, v)
                             self.k[l][b][h, sl], self.v[l][b][h, sl] = dk.astype(self.dtype), dv.astype(self.dtype)
-                            self.qmeta[l][b][(h, blk)] = meta
+                            self.qmeta[l][b][(h, blk)] = (meta, vmeta)
                 self.qnext[l][b] = max(self.qnext[l][b], end)
 
     def evict(self):
@@ -293,12 +295,19 @@ class RefCache:
         return self.capacity is None or bool(np.all(self.seq_lens + np.asarray(n) <= self.capacity))
 
     def step(self, qkv, n=None, scale=None):
-        """Expected outputs of one run (list per layer), then append the rows."""
-        ys = []
+        """Expected outputs of one run (list per layer), then append the rows. Sets pv_atol: per
+        layer the quantized pages' P.V tolerance of those outputs at the active ISA level
+        (reference.pv_rounding_atol, [B, Hq, S, Dv]; 0.0 without quantized pages)."""
+        from reference import pv_rounding_atol
+
+        from onnx_light_ep import _core
+
+        ys, self.pv_atol = [], []
         for l, (q, k, v) in enumerate(qkv):
             B, Hq, S, _ = q.shape
             nn = [S] * B if n is None else list(n)
             y = np.zeros((B, Hq, S, v.shape[3]), np.float64)
+            tol = np.zeros_like(y)
             for b in range(B):
                 m = nn[b]
                 if m == 0:
@@ -306,10 +315,14 @@ class RefCache:
                 pk = self.k[l][b][None]
                 pv = self.v[l][b][None]
                 w = self.windows[l] or None
-                pages = [(0, h, blk * self.P, *meta) for (h, blk), meta in sorted(self.qmeta[l][b].items())]
-                y[b, :, :m] = _shared_ref_attn(q[b:b + 1, :, :m], k[b:b + 1, :, :m], v[b:b + 1, :, :m],
-                                               pk, pv, scale=scale, causal=True, window=w, int8_pages=pages)[0]
+                metas = sorted(self.qmeta[l][b].items())
+                pages = [(0, h, blk * self.P, *km) for (h, blk), (km, _) in metas]
+                y[b, :, :m], p, _, _ = _shared_ref_attn(q[b:b + 1, :, :m], k[b:b + 1, :, :m], v[b:b + 1, :, :m],
+                                                        pk, pv, scale=scale, causal=True, window=w, int8_pages=pages)
+                vpages = [(0, h, blk * self.P, *vm) for (h, blk), (_, vm) in metas]
+                tol[b, :, :m] = pv_rounding_atol(_core.isa(), p, vpages, Hq // self.H)
             ys.append(y)
+            self.pv_atol.append(tol)
         for l, (q, k, v) in enumerate(qkv):
             B, _, S, _ = q.shape
             nn = [S] * B if n is None else list(n)

@@ -43,14 +43,27 @@ def tol(dtype):
 
 
 def assert_close(actual, expected, dtype, msg="", extra_atol=0.0):
-    """At the dtype's tolerance; extra_atol adds a stated per-mode term (int8 pages: int8_pv_atol)."""
+    """At the dtype's tolerance: |actual - expected| <= atol + rtol |expected| elementwise.
+    extra_atol adds a stated term, a scalar or an array broadcast to the outputs (quantized pages
+    at the SIMD levels: pv_rounding_atol, per element)."""
     atol, rtol = tol(dtype)
-    atol += extra_atol
     a = np.asarray(actual).astype(np.float64)
     e = np.asarray(expected).astype(np.float64)
     assert a.shape == e.shape, f"{msg}: shape {a.shape} != {e.shape}"
     assert np.all(np.isfinite(a)), f"{msg}: non-finite values in output"
-    np.testing.assert_allclose(a, e, atol=atol, rtol=rtol, err_msg=msg)
+    extra = np.asarray(extra_atol, np.float64)
+    if extra.ndim == 0:
+        np.testing.assert_allclose(a, e, atol=atol + float(extra), rtol=rtol, err_msg=msg)
+        return
+    allowed = np.broadcast_to(atol + extra + rtol * np.abs(e), a.shape)
+    diff = np.abs(a - e)
+    bad = ~(diff <= allowed)
+    if bad.any():
+        i = np.unravel_index(np.argmax(np.where(bad, diff - allowed, -np.inf)), a.shape)
+        raise AssertionError(
+            f"{msg}: {int(bad.sum())} of {a.size} elements beyond atol {atol:g} + extra + rtol {rtol:g} |expected|; "
+            f"worst at {tuple(int(x) for x in i)}: actual {a[i]!r}, expected {e[i]!r}, |diff| {diff[i]:.3g} > "
+            f"allowed {allowed[i]:.3g} (extra {np.broadcast_to(extra, a.shape)[i]:.3g})")
 
 
 def int8_query(qs, ks):
@@ -74,13 +87,44 @@ def int8_query(qs, ks):
     return q16, sq
 
 
-def int8_pv_atol(isa, v, mode="int8"):
-    """The SIMD levels' extra error on quantized pages (docs/API.md, "Quantized pages"): their
-    P.V weights are 16-bit fixed point per tile, each within 2^-16 of the tile's largest, so
-    |error| <= 2^-16 max |code * step| beyond the float32 kernels': max |V| for int8 (symmetric),
-    2 max |V| for int4 (its codes span max - min). The scalar level computes P.V in float32 (0)."""
-    span = 2.0 if mode == "int4" else 1.0
-    return 0.0 if isa == "scalar" else span * float(np.abs(np.asarray(v, np.float64)).max(initial=0.0)) / 65536.0
+# Keys per P.V tile of the SIMD levels' 16-bit fixed-point weights (V::W, the float32 lanes of a
+# vector: kernels/simd_rows.h round_weights); the scalar level computes P.V in float32.
+PV_TILE_KEYS = {"scalar": 0, "avx2": 8, "avx512": 16, "avx512_bf16": 16}
+# Slack on the rounding's 1/2 unit: the float32 steps of round_weights (w * (32767 / M), then
+# M / 32767: 3 roundings, 3 * 2^-24 * 32767 / (1/2) = 0.0117 of the 1/2 unit) and the kernel's
+# float32 probabilities against the oracle's fp64 ones (about 1e-6 relative).
+PV_ROUNDING_SLACK = 1.0 + 2.0 ** -6
+
+
+def pv_rounding_atol(isa, probs, v_pages, group_size):
+    """The SIMD levels' extra error on quantized pages beyond the float32 kernels' (docs/API.md,
+    "Quantized pages", P.V bound), per output element: at a tile of PV_TILE_KEYS[isa] keys
+    (positions j with equal j // W: pages start on that grid), a row's weights w_j = p_j * step_j
+    (p the normalized probability, step the V scale, int4 step) are rounded to int16 against the
+    tile's largest, M_T = max_{j in T} w_j, each within (1/2) M_T / 32767, and meet the V codes
+    exactly, so
+        |error[d]| <= PV_ROUNDING_SLACK / 65534 * sum_T M_T * sum_{j in T, p_j > 0} |code[j, d]|.
+    probs [B, Hq, S, T] fp64 (ref_attn's second result, key index = position), v_pages:
+    (b, kv_head, start, V codes [P, Dv], V steps [P]) per quantized page among the keys
+    (value_codes), group_size query heads per kv head. Returns [B, Hq, S, Dv] float64 (0.0 at the
+    scalar level or without quantized pages)."""
+    W = PV_TILE_KEYS[isa]
+    if W == 0 or not v_pages:
+        return 0.0
+    p = np.asarray(probs, np.float64)
+    B, Hq, S, _ = p.shape
+    g = group_size
+    out = np.zeros((B, Hq, S, np.shape(v_pages[0][3])[1]))
+    for b, h, start, codes, steps in v_pages:
+        n = len(codes)
+        if start % W or n % W:
+            raise ValueError(f"v_pages: page at {start} of {n} rows is not on the grid of {W}-key tiles")
+        pp = p[b, h * g:(h + 1) * g, :, start:start + n].reshape(g, S, n // W, W)
+        mt = (pp * np.asarray(steps, np.float64).reshape(n // W, W)).max(-1)             # [g, S, tiles]
+        c = np.abs(np.asarray(codes, np.float64)).reshape(n // W, W, -1)                 # [tiles, W, Dv]
+        csum = np.einsum("gstw,twd->gstd", (pp > 0).astype(np.float64), c)              # visible keys' |code|
+        out[b, h * g:(h + 1) * g] += np.einsum("gst,gstd->gsd", mt, csum)
+    return out * (PV_ROUNDING_SLACK / 65534.0)
 
 
 def ref_attn(q, k_new, v_new, past_k=None, past_v=None, *, scale=None, causal=True,
@@ -174,6 +218,33 @@ def ref_rows(q, k, v, past_k, past_v, n_new, past_len, **kw):
     return out
 
 
+def _value_codes_int8(v):
+    """V of one int8 page: per-row scales [P] float32 and codes [P, Dv] int8 (the cache's float32 steps)."""
+    vs = (np.abs(v).max(axis=1) / np.float32(127)).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        vq = np.where(vs[:, None] > 0, np.clip(np.rint(v / vs[:, None]), -127, 127), 0).astype(np.int8)
+    return vq, vs
+
+
+def _value_codes_int4(v):
+    """V of one int4 page: per-row minimums and steps [P] float32, codes [P, Dv] in [0, 15]."""
+    f32 = np.float32
+    vmin = v.min(axis=1)
+    vs = ((v.max(axis=1) - vmin) / f32(15)).astype(f32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        vq = np.where(vs[:, None] > 0, np.clip(np.rint(((v - vmin[:, None]) / vs[:, None]).astype(f32)), 0, 15),
+                      0).astype(np.int64)
+    return vq, vs, vmin
+
+
+def value_codes(mode, v):
+    """The V codes [P, Dv] and per-row steps [P] float32 (the int8 scale, the int4 step) of one
+    page as the KVCache codec makes them from v [P, Dv] (values of the cache dtype): what the
+    P.V fixed point weighs (pv_rounding_atol)."""
+    v = np.asarray(v).astype(np.float32)
+    return (_value_codes_int8(v) if mode == "int8" else _value_codes_int4(v)[:2])
+
+
 def quantize_page_int8(k, v, codes=False):
     """The KVCache int8 codec on one page (docs/API.md, "Quantized pages"): k [P, D], v [P, Dv]
     (values of the cache dtype). K per channel, V per token, symmetric, round half to even, in
@@ -182,10 +253,9 @@ def quantize_page_int8(k, v, codes=False):
     k = np.asarray(k).astype(np.float32)
     v = np.asarray(v).astype(np.float32)
     ks = (np.abs(k).max(axis=0) / np.float32(127)).astype(np.float32)
-    vs = (np.abs(v).max(axis=1) / np.float32(127)).astype(np.float32)
     with np.errstate(divide="ignore", invalid="ignore"):
         kq = np.where(ks > 0, np.clip(np.rint(k / ks), -127, 127), 0).astype(np.int8)
-        vq = np.where(vs[:, None] > 0, np.clip(np.rint(v / vs[:, None]), -127, 127), 0).astype(np.int8)
+    vq, vs = _value_codes_int8(v)
     dk, dv = kq.astype(np.float32) * ks, vq.astype(np.float32) * vs[:, None]
     return (dk, dv, kq, ks) if codes else (dk, dv)
 
@@ -199,13 +269,11 @@ def quantize_page_int4(k, v, codes=False):
     f32 = np.float32
     k = np.asarray(k).astype(f32)
     v = np.asarray(v).astype(f32)
-    kmin, vmin = k.min(axis=0), v.min(axis=1)
+    kmin = k.min(axis=0)
     ks = ((k.max(axis=0) - kmin) / f32(15)).astype(f32)
-    vs = ((v.max(axis=1) - vmin) / f32(15)).astype(f32)
     with np.errstate(divide="ignore", invalid="ignore"):
         kq = np.where(ks > 0, np.clip(np.rint(((k - kmin) / ks).astype(f32)), 0, 15), 0).astype(np.int64)
-        vq = np.where(vs[:, None] > 0, np.clip(np.rint(((v - vmin[:, None]) / vs[:, None]).astype(f32)), 0, 15),
-                      0).astype(np.int64)
+    vq, vs, vmin = _value_codes_int4(v)
     dk = (kmin + (kq.astype(f32) * ks).astype(f32)).astype(f32)
     dv = (vmin[:, None] + (vq.astype(f32) * vs[:, None]).astype(f32)).astype(f32)
     return (dk, dv, kq, ks, kmin) if codes else (dk, dv)

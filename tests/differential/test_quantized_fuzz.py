@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import ort_utils
 from models import cache_attention_model
-from reference import assert_close, int8_pv_atol, np_dtype, quantize_page, ref_attn
+from reference import assert_close, np_dtype, pv_rounding_atol, quantize_page, ref_attn, value_codes
 
 
 @functools.lru_cache(maxsize=64)
@@ -32,20 +32,22 @@ def _session(hq, hkv, d, dv, dtype, causal, softcap, window, mask, threads=1):
 
 
 def quantized_model(k, v, mode, P, R, S):
-    """Per (head) the float32 values attention sees and the int8_pages entries of ref_attn:
-    k [Hkv, T, D], v [Hkv, T, Dv] of the cache dtype, as from_past quantizes them."""
+    """Per (head) the float32 values attention sees, the int8_pages entries of ref_attn and the
+    v_pages of pv_rounding_atol: k [Hkv, T, D], v [Hkv, T, Dv] of the cache dtype, as from_past
+    quantizes them."""
     k = k.astype(np.float32).copy()
     v = v.astype(np.float32).copy()
     T = k.shape[1]
-    pages = []
+    pages, v_pages = [], []
     for blk in range(-(-S // P), max(0, T - R) // P):
         sl = slice(blk * P, (blk + 1) * P)
         for h in range(k.shape[0]):
             if np.all(np.isfinite(k[h, sl])) and np.all(np.isfinite(v[h, sl])) and \
                     np.abs(k[h, sl]).max(initial=0) < 2.0 ** 126 and np.abs(v[h, sl]).max(initial=0) < 2.0 ** 126:
+                v_pages.append((0, h, blk * P, *value_codes(mode, v[h, sl])))
                 k[h, sl], v[h, sl], *meta = quantize_page(mode, k[h, sl], v[h, sl], codes=True)
                 pages.append((0, h, blk * P, *meta))
-    return k, v, pages
+    return k, v, pages, v_pages
 
 
 def fixed_point(q, pages, mode):
@@ -87,7 +89,11 @@ def cases(draw):
                 window=window, softcap=softcap, mask=mask, seed=seed)
 
 
-def run_case(olep, c, isa, k=None, v=None, q=None, threads=1, scale_q=1.0, new_v=1.0):
+def run_case(olep, c, isa, k=None, v=None, q=None, threads=1, scale_q=1.0, new_v=1.0, edit_model=None):
+    """The kernel's output y, the model's ref and probabilities p [1, Hq, sq, T + sq], the P.V
+    tolerance of the case (pv_rounding_atol) and the int8_pages ref_attn took. edit_model(mk, mv,
+    add) -> (mk, mv, add): changes the model (dequantized K [Hkv, T, D], V, additive mask [1, 1,
+    sq, T + sq] or None) before the oracle runs, for tests of the tolerance itself."""
     dt = np_dtype(c["dtype"])
     hkv, hq, d, dv, sq, T = c["hkv"], c["hkv"] * c["g"], c["d"], c["dv"], c["sq"], c["T"]
     rng = np.random.default_rng(c["seed"])
@@ -117,13 +123,15 @@ def run_case(olep, c, isa, k=None, v=None, q=None, threads=1, scale_q=1.0, new_v
         y = ort_utils.run(sess, dict(feeds, kv_cache=cache.handle))["Y_0"]
     finally:
         cache.close()
-    mk, mv, pages = quantized_model(k[0], v[0], c["mode"], c["P"], c["R"], c["S"])
+    mk, mv, pages, v_pages = quantized_model(k[0], v[0], c["mode"], c["P"], c["R"], c["S"])
     if not fixed_point(q, pages, c["mode"]):
         pages = []  # the kernels score quantized pages on dequantized float32 K then
-    ref = ref_attn(q, kn, vn, mk[None], mv[None], causal=bool(c["causal"]),
-                   window=None if c["window"] < 0 else c["window"], softcap=c["softcap"], add_mask=add,
-                   int8_pages=pages)[0]
-    return y, ref, np.concatenate([mv, vn[0].astype(np.float32)], 1), pages
+    if edit_model is not None:
+        mk, mv, add = edit_model(mk, mv, add)
+    ref, p, _, _ = ref_attn(q, kn, vn, mk[None], mv[None], causal=bool(c["causal"]),
+                            window=None if c["window"] < 0 else c["window"], softcap=c["softcap"], add_mask=add,
+                            int8_pages=pages)
+    return y, ref, pv_rounding_atol(isa, p, v_pages, c["g"]), pages, p
 
 
 EXAMPLES = int(os.environ.get("ONNX_LIGHT_FUZZ_EXAMPLES", "60"))
@@ -132,8 +140,8 @@ EXAMPLES = int(os.environ.get("ONNX_LIGHT_FUZZ_EXAMPLES", "60"))
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
 @given(c=cases())
 def test_quantized_attention_fuzz(c, olep, isa):
-    y, ref, vall, pages = run_case(olep, c, isa)
-    assert_close(y, ref, np_dtype(c["dtype"]), f"{c}", extra_atol=int8_pv_atol(isa, vall, c["mode"]))
+    y, ref, pv_atol, pages, _ = run_case(olep, c, isa)
+    assert_close(y, ref, np_dtype(c["dtype"]), f"{c}", extra_atol=pv_atol)
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
@@ -151,10 +159,9 @@ def test_tiny_values_keep_their_relative_accuracy(mode, g, size, olep, isa):
     rng = np.random.default_rng(0)
     k = (rng.standard_normal((1, 1, 96, 64)) * size).astype(np.float32)
     v = (rng.standard_normal((1, 1, 96, 64)) * size).astype(np.float32)
-    y, ref, vall, pages = run_case(olep, c, isa, k=k, v=v, new_v=0.0)
+    y, ref, pv_atol, pages, _ = run_case(olep, c, isa, k=k, v=v, new_v=0.0)
     assert len(pages) == 3
-    assert_close(y / size, ref / size, np.float32, "relative to |V|",
-                 extra_atol=int8_pv_atol(isa, vall / size, mode))
+    assert_close(y / size, ref / size, np.float32, "relative to |V|", extra_atol=pv_atol / size)
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
@@ -165,11 +172,52 @@ def test_split_kv_threads_bit_identical(mode, g, sq, window, dtype, olep, isa):
     inside pages): 1 and 2 intra-op threads give bit-identical outputs, matching the model."""
     c = dict(mode=mode, dtype=dtype, d=64, dv=64, hkv=1, g=g, sq=sq, P=64, T=2500, R=100, S=4, causal=1,
              window=window, softcap=0.0, mask=None, seed=5)
-    y1, ref, vall, pages = run_case(olep, c, isa, threads=1)
-    y2, _, _, _ = run_case(olep, c, isa, threads=2)
+    y1, ref, pv_atol, pages, _ = run_case(olep, c, isa, threads=1)
+    y2, *_ = run_case(olep, c, isa, threads=2)
     assert pages
     np.testing.assert_array_equal(y1, y2)
-    assert_close(y1, ref, np_dtype(dtype), "split kv", extra_atol=int8_pv_atol(isa, vall, mode))
+    assert_close(y1, ref, np_dtype(dtype), "split kv", extra_atol=pv_atol)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_pv_tolerance_fails_one_wrong_code_or_one_missing_key(mode, olep, isa):
+    """The P.V tolerance (pv_rounding_atol, per case from its own probabilities and V codes) must
+    still fail a wrong result: the kernel's output passes against the model, and fails against
+    the model with one V code of the visible key of largest weight p * step one step off (one
+    channel), and against the model without one visible key of about average probability. 3
+    query heads, 24 visible keys (23 on int8/int4 pages), float32. (Measured: the wrong code
+    errs 50-400x the allowed, the missing key 1900x or more, the kernel at most 0.33x.)"""
+    c = dict(mode=mode, dtype="float32", d=64, dv=64, hkv=1, g=3, sq=1, P=32, T=96, R=0, S=0, causal=1,
+             window=24, softcap=0.0, mask=None, seed=11)
+    rng = np.random.default_rng(7)
+    k = rng.standard_normal((1, 1, 96, 64)).astype(np.float32)
+    v = rng.standard_normal((1, 1, 96, 64)).astype(np.float32)
+    y, ref, pv_atol, pages, p = run_case(olep, c, isa, k=k, v=v)
+    assert len(pages) == 3
+    assert_close(y, ref, np.float32, "the model", extra_atol=pv_atol)
+    steps = np.concatenate([value_codes(mode, v[0, 0, s:s + 32])[1] for s in (0, 32, 64)])
+    pq = p[0, 0, 0, :96]                                   # head 0's probabilities of the quantized keys
+    heavy = int(np.argmax(pq * steps))
+    seen = np.flatnonzero(pq > 0)
+    assert len(seen) == 23
+    typical = int(seen[np.argmin(np.abs(pq[seen] - pq[seen].mean()))])
+
+    def one_code_off(mk, mv, add):
+        mv = mv.copy()
+        code = value_codes(mode, v[0, 0, heavy // 32 * 32:heavy // 32 * 32 + 32])[0][heavy % 32, 0]
+        mv[0, heavy, 0] += np.float32(steps[heavy] * (1 if code < (127 if mode == "int8" else 15) else -1))
+        return mk, mv, add
+
+    def key_missing(mk, mv, add):
+        add = np.zeros((1, 1, 1, 97))
+        add[..., typical] = -np.inf
+        return mk, mv, add
+
+    for edit in (one_code_off, key_missing):
+        y2, ref2, atol2, _, _ = run_case(olep, c, isa, k=k, v=v, edit_model=edit)
+        np.testing.assert_array_equal(y2, y)
+        with pytest.raises(AssertionError):
+            assert_close(y2, ref2, np.float32, edit.__name__, extra_atol=atol2)
 
 
 @settings(max_examples=max(4, EXAMPLES // 6), deadline=None, suppress_health_check=list(HealthCheck))
@@ -200,10 +248,9 @@ def test_sliding_window_eviction_with_quantized_pages(mode, dtype, g, W, R, S, r
             y = ort_utils.run(sess, {"query_0": q, "key_0": k, "value_0": v, "kv_cache": cache.handle})["Y_0"]
             m.append(k[0], v[0])
             T = m.k.shape[1]
-            ref = ref_attn(q, m.k[None, :, T - n:], m.v[None, :, T - n:], m.k[None, :, :T - n], m.v[None, :, :T - n],
-                           causal=True, window=W, int8_pages=m.int8_pages())[0]
-            lo = max(0, T - n - W + 1)
-            assert_close(y, ref, dt, f"step {i}", extra_atol=int8_pv_atol(isa, m.v[:, lo:], mode))
+            ref, p, _, _ = ref_attn(q, m.k[None, :, T - n:], m.v[None, :, T - n:], m.k[None, :, :T - n],
+                                    m.v[None, :, :T - n], causal=True, window=W, int8_pages=m.int8_pages())
+            assert_close(y, ref, dt, f"step {i}", extra_atol=pv_rounding_atol(isa, p, m.v_pages(), g))
             m.commit()
     finally:
         cache.close()

@@ -8,7 +8,8 @@ pages"):
   int8 keys as the kernels do (q in 16-bit fixed point per page, exact integer sums:
   reference.int8_query): the kernel's output must match at the dtype's tolerance (the same as
   unquantized caches: the quantization error is in the model, not in the tolerance), plus, at
-  the SIMD levels, 2^-16 max |V| for their 16-bit P.V weights (docs/API.md);
+  the SIMD levels, the bound of their 16-bit P.V weights computed from the case's own
+  probabilities and V codes (reference.pv_rounding_atol, docs/API.md);
 - export returns the same dequantized values rounded to the cache dtype, bit for bit;
 - prefill chunks cross page ends; sequences of a batch age pages at different steps; a page
   that holds a non-finite value stays native (an int8 code cannot hold it).
@@ -20,7 +21,8 @@ import pytest
 
 import ort_utils
 from models import AttnCfg, cache_attention_model
-from reference import assert_close, int8_pv_atol, np_dtype, quantize_page, quantize_page_int8, ref_attn
+from reference import (assert_close, np_dtype, pv_rounding_atol, quantize_page, quantize_page_int8, ref_attn,
+                       value_codes)
 
 CAP = 512
 
@@ -41,7 +43,8 @@ class Model:
         self.v = np.zeros((hkv, 0, d), np.float32)
         self.dt, self.P, self.R, self.S = dt, page_tokens, recent, sink
         self.quantized = set()
-        self.pages = {}  # (head, start) -> (K codes, K scales) of int8 pages
+        self.pages = {}  # (head, start) -> (K codes, K scales[, K minimums]) of quantized pages
+        self.vpages = {}  # (head, start) -> (V codes, V steps) of quantized pages (reference.value_codes)
 
     def append(self, k, v):
         self.k = np.concatenate([self.k, k.astype(np.float32)], 1)
@@ -58,11 +61,16 @@ class Model:
             self.quantized.add(blk)
             for h in range(kp.shape[0]):
                 if np.all(np.isfinite(kp[h])) and np.all(np.isfinite(vp[h])):
+                    self.vpages[(h, blk * P)] = value_codes(self.mode, vp[h])  # (before vp[h] is overwritten)
                     self.k[h, sl], self.v[h, sl], *meta = quantize_page(self.mode, kp[h], vp[h], codes=True)
                     self.pages[(h, blk * P)] = meta
 
     def int8_pages(self):
         return [(0, h, start, *meta) for (h, start), meta in sorted(self.pages.items())]
+
+    def v_pages(self):
+        """The quantized pages' V codes and steps, as reference.pv_rounding_atol takes them."""
+        return [(0, h, start, *meta) for (h, start), meta in sorted(self.vpages.items())]
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
@@ -104,11 +112,11 @@ def test_quantized_pages_match_the_model(cfg, mode, olep, isa):
                     if nb:
                         m.append(k[b, :, :nb], v[b, :, :nb])
                         total = m.k.shape[1]
-                        ref = ref_attn(q[b:b + 1, :, :nb], m.k[None, :, total - nb:], m.v[None, :, total - nb:],
-                                       m.k[None, :, :total - nb], m.v[None, :, :total - nb], causal=True,
-                                       int8_pages=m.int8_pages())[0]
+                        ref, p, _, _ = ref_attn(q[b:b + 1, :, :nb], m.k[None, :, total - nb:],
+                                                m.v[None, :, total - nb:], m.k[None, :, :total - nb],
+                                                m.v[None, :, :total - nb], causal=True, int8_pages=m.int8_pages())
                         assert_close(out[f"Y_{l}"][b:b + 1, :, :nb], ref, dt, where,
-                                     extra_atol=int8_pv_atol(isa, m.v, mode))
+                                     extra_atol=pv_rounding_atol(isa, p, m.v_pages(), Hq // Hkv))
             lens += np.asarray(n)
             for l in range(L):
                 for b in range(B):

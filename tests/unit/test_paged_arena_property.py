@@ -31,7 +31,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvcache_util import RefCache, assert_cache_matches, build_model, feeds_for, make_session  # noqa: E402
-from reference import FP32_ATOL, FP32_RTOL  # noqa: E402
+from reference import assert_close  # noqa: E402
 
 from onnx_light_ep import KVCache, KVCacheMemoryError, KVPool, _core  # noqa: E402
 
@@ -165,7 +165,7 @@ class PagedArena(RuleBasedStateMachine):
             return
         want = e.ref.step(qkv, nn)
         for l, (y, w) in enumerate(zip(got, want)):
-            np.testing.assert_allclose(y, w, atol=FP32_ATOL, rtol=FP32_RTOL, err_msg=f"Y_{l}")
+            assert_close(y, w, np.float32, f"Y_{l}", extra_atol=e.ref.pv_atol[l])
         after = e.cache.stats()
         copied = after["bytes_copied"] - before["bytes_copied"]
         if before["shared_bytes"] == 0:
