@@ -77,6 +77,21 @@ OrtStatus* CacheExportKernel::compute(OrtKernelContext* ctx) const {
   }
 }
 
+OrtStatus* CacheShapeKernel::compute(OrtKernelContext* ctx) const {
+  Tensor cache;
+  try {
+    if (!input(ctx, cache_in, &cache)) throw std::invalid_argument("CacheShape: input 'cache' is required");
+    int64_t shape[4];
+    ops::cache_shape(layer, value, cache, shape);
+    auto* y = static_cast<int64_t*>(alloc_output(ctx, static_cast<size_t>(out), {4}));
+    std::copy(shape, shape + 4, y);
+    return nullptr;
+  } catch (const std::exception& e) {
+    if (cache.data) ops::note_failed_run(cache);  // the run fails: its open step, if any, is a failure
+    return to_status(e, node);
+  }
+}
+
 OrtStatus* CacheCommitKernel::compute(OrtKernelContext* ctx) const {
   std::vector<Tensor> caches(cache_in.size());
   try {

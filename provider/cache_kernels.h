@@ -33,6 +33,16 @@ struct CacheExportKernel {
   OrtStatus* compute(OrtKernelContext* ctx) const;
 };
 
+/// CacheShape(cache) -> shape (int64 [4]); attribute value: 0 = past key shape, 1 = past value.
+struct CacheShapeKernel {
+  int64_t layer = -1;
+  bool value = false;
+  std::string node;
+  int cache_in = 0;
+  int out = 0;
+  OrtStatus* compute(OrtKernelContext* ctx) const;
+};
+
 /// CacheCommit(cache, after...) -> seq_lens; attribute num_caches (default 1): the first
 /// num_caches inputs are caches, committed together.
 struct CacheCommitKernel {

@@ -1,4 +1,4 @@
-// Registration of the ai.onnx_light custom ops (CacheAttention, CacheExport, CacheCommit)
+// Registration of the ai.onnx_light custom ops (CacheAttention, CacheExport, CacheCommit, CacheShape)
 // with ORT: schemas, shape inference and CPU-EP kernels, so a converted model loads
 // everywhere and runs on plain ORT. OnnxLightExecutionProvider, when selected, claims
 // the nodes itself (ep_cache_ops.h); both paths run cache_kernels.h. Exceptions never
@@ -205,14 +205,23 @@ OrtStatus* infer_cache_commit(const OrtCustomOp*, OrtShapeInferContext* c) {
   }
 }
 
+OrtStatus* infer_cache_shape(const OrtCustomOp*, OrtShapeInferContext* c) {
+  try {
+    InferCtx{c}.set_output(0, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64, {4}, {""});
+    return nullptr;
+  } catch (const std::exception& e) {
+    return make_status(ORT_INVALID_ARGUMENT, std::string("CacheShape shape inference: ") + e.what());
+  }
+}
+
 // ---------------------------------------------------------------------------
 // OrtCustomOp definitions
 
-enum class OpKind { kCacheAttention, kCacheExport, kCacheCommit };
+enum class OpKind { kCacheAttention, kCacheExport, kCacheCommit, kCacheShape };
 
 // Inputs: CacheAttention(query, key, value, cache, [attn_mask], [seqlens_k]); CacheExport(cache,
 // [after]); CacheCommit(cache, after...) with `after` variadic of any types (the graph outputs the
-// commit must follow).
+// commit must follow); CacheShape(cache) -> int64 [4].
 struct OpInfo {
   const char* name;
   size_t inputs, required_inputs, cache_input;
@@ -224,6 +233,7 @@ const OpInfo& op_info(OpKind k) {
       {"CacheAttention", 6, 4, 3, 1, false},
       {"CacheExport", 2, 1, 0, 2, false},
       {"CacheCommit", 2, 2, 0, 1, true},
+      {"CacheShape", 1, 1, 0, 1, false},
   };
   return infos[static_cast<int>(k)];
 }
@@ -245,8 +255,9 @@ struct OpDef : OrtCustomOp {
     };
     GetOutputTypeCount = [](const OrtCustomOp* op) -> size_t { return op_info(static_cast<const OpDef*>(op)->kind).outputs; };
     GetOutputType = [](const OrtCustomOp* op, size_t) {
-      return static_cast<const OpDef*>(op)->kind == OpKind::kCacheCommit ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64
-                                                                         : ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+      const OpKind k = static_cast<const OpDef*>(op)->kind;
+      return k == OpKind::kCacheCommit || k == OpKind::kCacheShape ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64
+                                                                   : ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
     };
     KernelDestroy = [](void* k) {
       // Every kernel type is destroyed through this one callback: tag dispatch.
@@ -297,6 +308,17 @@ struct OpDef : OrtCustomOp {
                                         std::to_string(inputs) + "]; got " + std::to_string(n));
           holder->committer.cache_in.clear();
           for (int64_t i = 0; i < n; ++i) holder->committer.cache_in.push_back(static_cast<int>(i));
+        } else if (d->kind == OpKind::kCacheShape) {
+          bool has_layer = false;
+          holder->shaper.layer = attr_int(info, "layer", -1, &has_layer);
+          if (!has_layer || holder->shaper.layer < 0)
+            throw std::invalid_argument("CacheShape: attribute 'layer' is required and must be >= 0");
+          const int64_t value = attr_int(info, "value", 0);
+          if (value != 0 && value != 1)
+            throw std::invalid_argument("CacheShape: attribute 'value' must be 0 (past key) or 1 (past value); got " +
+                                        std::to_string(value));
+          holder->shaper.value = value == 1;
+          holder->shaper.node = node;
         } else {
           bool has_layer = false;
           holder->exporter.layer = attr_int(info, "layer", -1, &has_layer);
@@ -316,11 +338,13 @@ struct OpDef : OrtCustomOp {
         case OpKind::kCacheAttention: return h->attention.compute(ctx);
         case OpKind::kCacheExport: return h->exporter.compute(ctx);
         case OpKind::kCacheCommit: return h->committer.compute(ctx);
+        case OpKind::kCacheShape: return h->shaper.compute(ctx);
       }
       return nullptr;
     };
     InferOutputShapeFn = kind == OpKind::kCacheAttention ? infer_cache_attention
                          : kind == OpKind::kCacheExport  ? infer_cache_export
+                         : kind == OpKind::kCacheShape   ? infer_cache_shape
                                                          : infer_cache_commit;
     GetStartVersion = [](const OrtCustomOp*) { return 1; };
     GetEndVersion = [](const OrtCustomOp*) { return (1 << 30); };
@@ -335,12 +359,14 @@ struct OpDef : OrtCustomOp {
     CacheAttentionKernel attention;
     CacheExportKernel exporter;
     CacheCommitKernel committer;
+    CacheShapeKernel shaper;
   };
 };
 
 const OpDef g_cpu_attention(OpKind::kCacheAttention, nullptr);
 const OpDef g_cpu_export(OpKind::kCacheExport, nullptr);
 const OpDef g_cpu_commit(OpKind::kCacheCommit, nullptr);
+const OpDef g_cpu_shape(OpKind::kCacheShape, nullptr);
 
 }  // namespace
 
@@ -352,7 +378,7 @@ OrtStatus* add_custom_op_domain(OrtSessionOptions* options) {
   static OrtStatus* init_error = nullptr;
   std::call_once(once, [] {
     OrtStatus* st = api().CreateCustomOpDomain(kDomain, &domain);
-    for (const OpDef* op : {&g_cpu_attention, &g_cpu_export, &g_cpu_commit})
+    for (const OpDef* op : {&g_cpu_attention, &g_cpu_export, &g_cpu_commit, &g_cpu_shape})
       if (st == nullptr) st = api().CustomOpDomain_Add(domain, op);
     if (st) {
       init_error = st;

@@ -1,5 +1,5 @@
 // Registration of the ai.onnx_light custom-op domain (schemas, shape inference and
-// CPU-EP kernels of CacheAttention, CacheExport, CacheCommit) on a session's options.
+// CPU-EP kernels of CacheAttention, CacheExport, CacheCommit, CacheShape) on a session's options.
 #pragma once
 
 #include "provider/ort_api.h"

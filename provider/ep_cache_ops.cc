@@ -35,12 +35,13 @@ int64_t int_attr(const OrtNode* n, const char* name, int64_t dflt) {
 bool is_cache_node(const OrtNode* node) {
   if (node_domain(node) != kDomain) return false;
   const std::string op = node_op_type(node);
-  return op == "CacheAttention" || op == "CacheExport" || op == "CacheCommit";
+  return op == "CacheAttention" || op == "CacheExport" || op == "CacheCommit" || op == "CacheShape";
 }
 
 void check_cache_graph(const std::vector<const OrtNode*>& nodes, CacheGraphInfo* info) {
   struct PerCache {
     std::map<int64_t, std::string> layers;  // layer -> node name
+    std::map<int64_t, std::string> shapes;  // CacheShape layer -> node name
     std::set<int64_t> commit_node;          // values of commit_node seen
     int commits = 0;
     std::string error;
@@ -59,6 +60,8 @@ void check_cache_graph(const std::vector<const OrtNode*>& nodes, CacheGraphInfo*
         c.error = "CacheAttention nodes " + quoted(it->second) + " and " + quoted(name) + " both have layer=" +
                   std::to_string(layer) + " (every layer index must appear once per cache input)";
       c.layers.emplace(layer, name);
+    } else if (op == "CacheShape") {
+      caches[input_name(n, 0)].shapes.emplace(int_attr(n, "layer", -1), name);
     } else if (op == "CacheCommit") {
       ++commit_nodes;
       const int64_t k = int_attr(n, "num_caches", 1);
@@ -84,6 +87,11 @@ void check_cache_graph(const std::vector<const OrtNode*>& nodes, CacheGraphInfo*
         ++expect;
       }
     }
+    for (const auto& s : c.shapes)
+      if (c.error.empty() && !c.layers.empty() && !c.layers.count(s.first))
+        c.error = "CacheShape " + quoted(s.second) + " has layer=" + std::to_string(s.first) + where +
+                  " but no CacheAttention node has that layer (layers 0.." +
+                  std::to_string(c.layers.rbegin()->first) + ")";
     if (c.error.empty() && c.commit_node.size() > 1)
       c.error = "the CacheAttention nodes" + where + " disagree on commit_node (some 0, some 1)";
     if (c.error.empty() && c.commits > 1)
@@ -126,6 +134,25 @@ NodeComputeInfo* compile_cache_node(const OrtNode* node, const OrtNode* fused_no
     ci->kernel.node = name;
     ci->node = name;
     a.node_id = reinterpret_cast<uintptr_t>(ci.get());
+    return NodeComputeInfo::init(ci.release());
+  }
+  if (op == "CacheShape") {
+    auto ci = std::make_unique<CacheComputeInfo<CacheShapeKernel>>();
+    if (!node_attr_int(node, "layer", &ci->kernel.layer) || ci->kernel.layer < 0)
+      throw std::invalid_argument("CacheShape: attribute 'layer' is required and must be >= 0");
+    int64_t value = 0;
+    node_attr_int(node, "value", &value);
+    if (value != 0 && value != 1)
+      throw std::invalid_argument("CacheShape: attribute 'value' must be 0 (past key) or 1 (past value); got " +
+                                  std::to_string(value));
+    ci->kernel.value = value == 1;
+    int in[1], out[1];
+    map_by_name(ins, fins, in);
+    map_by_name(outs, fouts, out);
+    ci->kernel.cache_in = in[0];
+    ci->kernel.out = out[0];
+    ci->kernel.node = name;
+    ci->node = name;
     return NodeComputeInfo::init(ci.release());
   }
   if (op == "CacheExport") {

@@ -206,6 +206,24 @@ void cache_export(int64_t layer, const Tensor& cache_t, const ExportOutputs& all
   });
 }
 
+void cache_shape(int64_t layer, bool value, const Tensor& cache_t, int64_t out[4]) {
+  if (layer < 0) throw std::invalid_argument("CacheShape: attribute 'layer' is required and must be >= 0");
+  std::shared_ptr<KVCache> cache = cache_of(cache_t, "CacheShape");
+  const CacheGeometry& g = cache->geometry();
+  if (layer >= g.num_layers)
+    throw std::invalid_argument("CacheShape: attribute 'layer' (" + str(layer) + ") must be < num_layers of input "
+                                "'cache' (" + str(g.num_layers) + ")");
+  int64_t past = 0;
+  {
+    auto lock = cache->lock();  // committed lengths only: an open step (this run's or a stale one) adds nothing
+    for (int64_t len : cache->lengths_locked()) past = std::max(past, len);
+  }
+  out[0] = g.batch_size;
+  out[1] = g.kv_num_heads;
+  out[2] = past;
+  out[3] = value ? g.v_head_dim : g.head_dim;
+}
+
 void cache_commit(const std::vector<Tensor>& caches_t, const std::function<int64_t*(int64_t n)>& alloc) {
   std::vector<std::shared_ptr<KVCache>> caches;
   for (const Tensor& t : caches_t) {

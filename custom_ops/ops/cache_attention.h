@@ -1,4 +1,4 @@
-// ai.onnx_light::CacheAttention (since_version 1) and CacheExport: what the
+// ai.onnx_light::CacheAttention (since_version 1), CacheExport, CacheCommit and CacheShape: what the
 // ops mean, their validation, and their execution against the KVCache arena.
 // Semantics: ONNX Attention opset 23 (onnx.ai, Operators/Attention) with
 // past_key/past_value taken from the cache; GQA head mapping and seqlens_k as
@@ -67,6 +67,15 @@ void cache_commit(const std::vector<Tensor>& caches, const std::function<int64_t
 using ExportOutputs = std::function<std::pair<void*, void*>(const std::vector<int64_t>& key_shape,
                                                             const std::vector<int64_t>& value_shape, DType dtype)>;
 void cache_export(int64_t layer, const Tensor& cache, const ExportOutputs& alloc);
+
+/// CacheShape: the shape the past tensor of layer `layer` would have, read from the cache:
+/// [batch_size, kv_num_heads, P, head_dim] (value = false: the past key) or [..., v_head_dim]
+/// (value = true: the past value), P = the largest committed length max_b seq_lens[b] (the rows
+/// of the runs that committed before this one; a run's own appended rows never count, wherever
+/// the node runs in the graph), which is the length CacheExport gives and the key count
+/// CacheAttention's mask columns start from (T_total = P + S). Writes the 4 values to `out`.
+/// Throws std::invalid_argument (bad handle, layer out of range).
+void cache_shape(int64_t layer, bool value, const Tensor& cache, int64_t out[4]);
 
 }  // namespace ops
 }  // namespace olep

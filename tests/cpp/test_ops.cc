@@ -1,4 +1,4 @@
-// CacheAttention / CacheExport op semantics through the ORT-free op API:
+// CacheAttention / CacheExport / CacheShape op semantics through the ORT-free op API:
 // validation names the input and leaves the cache intact; 3-D (BSNH) and 4-D
 // (BNSH) inputs give the same result; seqlens_k right padding; export.
 #include <cmath>
@@ -196,11 +196,50 @@ void test_seqlens_k_right_padding() {
   Registry::instance().release_cache(h);
 }
 
+void test_cache_shape() {
+  // [B, Hkv, max_b committed length, D or Dv]: a run's open step adds nothing until it commits.
+  const int64_t B = 2, Hq = 4, Hkv = 2, D = 8, Dv = 4;
+  CacheGeometry g;
+  g.num_layers = 2;
+  g.batch_size = B;
+  g.kv_num_heads = Hkv;
+  g.head_dim = D;
+  g.v_head_dim = Dv;
+  g.max_sequence_length = 16;
+  const int64_t h = Registry::instance().add_cache(std::make_shared<KVCache>(g, nullptr));
+  int64_t shape[4] = {-1, -1, -1, -1};
+  cache_shape(1, false, i64(&h, {1}), shape);
+  CHECK(shape[0] == B && shape[1] == Hkv && shape[2] == 0 && shape[3] == D);
+  CacheAttentionAttrs a;
+  a.is_causal = 1;
+  int32_t sk[2] = {3, 1};  // right padding: lengths 4 and 2 after the prefill
+  Tensor seq;
+  seq.type = ElemType::kInt32;
+  seq.shape = {2};
+  seq.data = sk;
+  auto q = randn(B * Hq * 4 * D, 40), k = randn(B * Hkv * 4 * D, 41), v = randn(B * Hkv * 4 * Dv, 42);
+  std::vector<float> y(static_cast<size_t>(B * Hq * 4 * Dv));
+  for (int64_t layer = 0; layer < 2; ++layer) {
+    a.layer = layer;
+    cache_attention(a, f32(q, {B, Hq, 4, D}), f32(k, {B, Hkv, 4, D}), f32(v, {B, Hkv, 4, Dv}), i64(&h, {1}), nullptr,
+                    &seq, y.data(), nullptr);
+    cache_shape(0, true, i64(&h, {1}), shape);  // after layer 0 the step is open: still 0
+    CHECK(shape[2] == (layer == 0 ? 0 : 4) && shape[3] == Dv);
+  }
+  cache_shape(1, false, i64(&h, {1}), shape);
+  CHECK(shape[0] == B && shape[1] == Hkv && shape[2] == 4 && shape[3] == D);
+  EXPECT_THROW(cache_shape(2, false, i64(&h, {1}), shape), std::invalid_argument, "attribute 'layer' (2)");
+  const int64_t unknown = h + 1000;
+  EXPECT_THROW(cache_shape(0, false, i64(&unknown, {1}), shape), std::invalid_argument, "CacheShape: input 'cache'");
+  Registry::instance().release_cache(h);
+}
+
 }  // namespace
 
 int main() {
   test_validation_names_inputs();
   test_3d_equals_4d_and_export();
   test_seqlens_k_right_padding();
+  test_cache_shape();
   TEST_MAIN_END();
 }
