@@ -158,7 +158,8 @@ class PastFeeds:
             if past not in info:
                 raise ValueError(f"compare: the original model has no input {past!r} named by the converted "
                                  f"model's metadata; expected the model the conversion started from")
-            shape = info[past].shape
+            # transformers' exporter names static dims symbolically ('2', '16'): read those as ints
+            shape = [int(x) if isinstance(x, str) and x.isdigit() else x for x in info[past].shape]
             if len(shape) != 4 or not isinstance(shape[1], int):
                 raise ValueError(f"compare: past input {past!r} has shape {shape}; expected BNSH with static heads")
             d = shape[3] if isinstance(shape[3], int) else (v_head_dim if "value" in past else head_dim)
@@ -166,10 +167,14 @@ class PastFeeds:
             self.values[past] = np.zeros((batch_size, shape[1], cap, d), dtype=_ORT_FLOAT.get(info[past].type,
                                                                                            np.float32))
 
-    def update(self, outputs: Dict[str, np.ndarray]) -> int:
-        """Take the presents from a run's outputs; returns their bytes (what plain ORT copied out)."""
+    def update(self, outputs: Dict[str, np.ndarray], pairs: Optional[Sequence[Tuple[str, str]]] = None) -> int:
+        """Take the presents from a run's outputs; returns their bytes (what plain ORT copied out).
+
+        ``pairs``: ``(past, present)`` names for this run instead of :attr:`pairs` (the prefill
+        graph of a pair names its presents differently, :func:`prefill_pairs`).
+        """
         copied = 0
-        for past, present in self.pairs:
+        for past, present in (self.pairs if pairs is None else pairs):
             self.values[past] = outputs[present]
             copied += outputs[present].nbytes
         return copied
@@ -193,6 +198,18 @@ def layer_pairs(meta: dict) -> List[Tuple[str, str]]:
         for a, b in (("past_key", "present_key"), ("past_value", "present_value")):
             if x.get(a) and x.get(b):
                 pairs.append((x[a], x[b]))
+    return pairs
+
+
+def prefill_pairs(prefill_meta: dict, decode_meta: dict) -> List[Tuple[str, str]]:
+    """(decode past, prefill present) names, layer by layer: the prefill graph of a pair starts the
+    cache, so its presents are the decode graph's first pasts (layer ``l`` of one is layer ``l`` of
+    the other; both converted graphs record their original names in ``onnx_light.layers``)."""
+    pairs = []
+    for p, d in zip(prefill_meta.get("layers", []), decode_meta.get("layers", [])):
+        for a, b in (("past_key", "present_key"), ("past_value", "present_value")):
+            if d.get(a) and p.get(b):
+                pairs.append((d[a], p[b]))
     return pairs
 
 

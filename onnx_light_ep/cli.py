@@ -6,8 +6,9 @@ Subcommands:
   the onnxruntime version and the execution-provider devices ORT offers once
   the library is registered.
 - ``bench``: the decode-step benchmark (``onnx_light_ep.bench.run_bench``).
-- ``convert INPUT -o OUTPUT``: rewrite an exported decoder into a cache-aware
-  model (``onnx_light_ep.rewrite.convert``); prints the report (``--json``).
+- ``convert INPUT -o OUTPUT``: rewrite an exported decoder (or a folder holding a
+  prefill/decode pair) into a cache-aware model (``onnx_light_ep.rewrite.convert``);
+  prints the report (``--json``).
 - ``compare ORIGINAL [CONVERTED]``: original on plain ORT vs converted on the
   EP, same inputs; exit 1 on a mismatch beyond the tolerance.
 - ``generate MODEL``: greedy, sampled, beam-search (``--num-beams N``) or speculative
@@ -92,7 +93,8 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
     try:
         report = convert(args.input, args.output, keep_present=args.keep_present or (),
-                         sliding_window=args.sliding_window, cache_input=args.cache_input, check=not args.no_check)
+                         sliding_window=args.sliding_window, cache_input=args.cache_input, check=not args.no_check,
+                         stage=args.stage)
     except (ConvertError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -107,8 +109,13 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     from .compare import CompareError, compare, format_bytes, plot, write_json
     from .rewrite import ConvertError
 
+    original = (args.original, args.decode) if args.decode else args.original
+    converted = (args.converted, args.converted_decode) if args.converted_decode else args.converted
+    if args.converted_decode and not args.converted:
+        print("error: --converted-decode; expected CONVERTED (the converted prefill graph) as well", file=sys.stderr)
+        return 2
     try:
-        result = compare(args.original, args.converted, prompt=args.prompt, prompt_ids=_ids(args.prompt_ids),
+        result = compare(original, converted, prompt=args.prompt, prompt_ids=_ids(args.prompt_ids),
                          batch_size=args.batch_size, prefill=args.prefill, steps=args.steps, atol=args.atol,
                          rtol=args.rtol, threads=args.threads, tokenizer_dir=args.tokenizer, seed=args.seed,
                          progress=not args.quiet, chat=args.chat)
@@ -213,7 +220,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         def stream(piece):
             print(piece, end="", flush=True)
     try:
-        res = generate(args.model, prompts, prompt_ids=_ids(args.prompt_ids), chat=args.chat,
+        res = generate((args.model, args.decode) if args.decode else args.model, prompts,
+                       prompt_ids=_ids(args.prompt_ids), chat=args.chat,
                        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                        top_p=args.top_p, seed=args.seed, tokenizer_dir=args.tokenizer, stream=stream,
                        progress=not args.quiet, threads=args.threads,
@@ -303,8 +311,13 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 def _add_rewrite_commands(sub) -> None:
     p = sub.add_parser("convert", help="rewrite an exported decoder model to use a persistent KVCache")
-    p.add_argument("input", help="exported ONNX model (past/present tensors)")
-    p.add_argument("-o", "--output", required=True, help="converted model path (external data: OUTPUT.data)")
+    p.add_argument("input", help="exported ONNX model (past/present tensors), or a folder holding prefill.onnx and "
+                                 "decode.onnx (both are converted)")
+    p.add_argument("-o", "--output", required=True, help="converted model path (external data: OUTPUT.data); a "
+                                                         "folder for a folder input")
+    p.add_argument("--stage", choices=("prefill", "decode"), default=None,
+                   help="INPUT is one graph of a prefill/decode pair (prefill: its presents start the cache and "
+                        "are removed); what converting the folder does for each graph")
     p.add_argument("--keep-present", action="append", metavar="NAME",
                    help="keep this present output (produced by CacheExport); repeatable")
     p.add_argument("--sliding-window", type=int, default=None, metavar="N",
@@ -315,8 +328,12 @@ def _add_rewrite_commands(sub) -> None:
     p.set_defaults(func=_cmd_convert)
 
     p = sub.add_parser("compare", help="original on plain ORT vs converted on the EP, same inputs")
-    p.add_argument("original")
+    p.add_argument("original", help="exported model, or a folder holding prefill.onnx and decode.onnx")
     p.add_argument("converted", nargs="?", default=None, help="default: convert ORIGINAL to a temporary file")
+    p.add_argument("--decode", metavar="PATH", default=None,
+                   help="ORIGINAL is a prefill graph and PATH its decode graph (a pair given as two files)")
+    p.add_argument("--converted-decode", metavar="PATH", default=None,
+                   help="CONVERTED is a converted prefill graph and PATH its converted decode graph")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--prompt", help="prompt text (needs tokenizer.json next to the model)")
     g.add_argument("--prompt-ids", metavar="IDS", help="token ids, comma separated; ';' separates rows")
@@ -335,7 +352,10 @@ def _add_rewrite_commands(sub) -> None:
     p.set_defaults(func=_cmd_compare)
 
     p = sub.add_parser("generate", help="generate text with a converted model on the EP")
-    p.add_argument("model", help="converted model (an unconverted export is converted to a temporary file)")
+    p.add_argument("model", help="converted model, or a folder holding prefill.onnx and decode.onnx (an "
+                                 "unconverted export is converted to a temporary folder)")
+    p.add_argument("--decode", metavar="PATH", default=None,
+                   help="MODEL is a prefill graph and PATH its decode graph (a pair given as two files)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--prompt", action="append", help="prompt text; repeat for a batch")
     g.add_argument("--prompt-ids", metavar="IDS", help="token ids, comma separated; ';' separates rows")

@@ -7,7 +7,10 @@ original's argmax, so both sides always see identical inputs). The original
 runs on ``CPUExecutionProvider`` with its presents fed back as pasts; the
 converted model runs on ``OnnxLightExecutionProvider`` with a
 ``KVCache.for_model`` cache. A batch (``batch_size >= 1``) is padded on the
-side the model's exporter expects (see ``onnx_light_ep._runner``).
+side the model's exporter expects (see ``onnx_light_ep._runner``). A
+prefill/decode pair (transformers' exporter: a folder holding ``prefill.onnx``
+and ``decode.onnx``, or two paths) runs its prefill graph for the prefill and
+its decode graph for every later step, on both sides.
 
 Per step it records the max abs and relative logits error over the real
 (non-padding) positions, argmax agreement per row, the latency of each side
@@ -34,7 +37,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from ._runner import DecodeState, PastFeeds, check_inputs, layer_pairs, past_capacities
+from ._runner import DecodeState, PastFeeds, check_inputs, layer_pairs, past_capacities, prefill_pairs
 
 __all__ = ["CompareError", "CompareResult", "StepRecord", "compare", "DEFAULT_TOL"]
 
@@ -152,9 +155,11 @@ def _session_options(ort, threads: Optional[int]):
 
 
 def make_prompts(prompt_ids: Optional[Sequence[Sequence[int]]], batch_size: int, prefill: int,
-                 vocab: int, seed: int) -> List[List[int]]:
+                 vocab: int, seed: int, equal_lengths: bool = False) -> List[List[int]]:
     """Rows of token ids: the given ones, or seeded random ids; extra rows are shortened copies
-    (row ``b`` drops ``2*b`` leading tokens) so a batch exercises padding."""
+    (row ``b`` drops ``2*b`` leading tokens) so a batch exercises padding, or, with
+    ``equal_lengths`` (a model without ``attention_mask`` has no padding), copies rotated by ``b``
+    tokens."""
     if prompt_ids:
         rows = [list(map(int, p)) for p in prompt_ids]
     else:
@@ -162,8 +167,12 @@ def make_prompts(prompt_ids: Optional[Sequence[Sequence[int]]], batch_size: int,
         rows = [rng.integers(1, max(2, vocab), size=prefill).tolist()]
     while len(rows) < batch_size:
         base = rows[0]
-        cut = min(2 * len(rows), len(base) - 1)
-        rows.append(base[cut:])
+        if equal_lengths:
+            k = len(rows) % len(base)
+            rows.append(base[k:] + base[:k])
+        else:
+            cut = min(2 * len(rows), len(base) - 1)
+            rows.append(base[cut:])
     return rows[:batch_size]
 
 
@@ -184,14 +193,20 @@ def compare(original, converted=None, *, prompt: Optional[str] = None,
     """Run ``original`` (plain ORT) and ``converted`` (EP + KVCache) side by side.
 
     Args:
-        original: path of the exported model (past/present tensors).
-        converted: path of ``convert(original)``; None converts into a
-            temporary directory first.
+        original: path of the exported model (past/present tensors); or a
+            prefill/decode pair (transformers' exporter): a folder holding
+            ``prefill.onnx`` and ``decode.onnx``, or the two paths. A pair runs
+            the prefill on its prefill graph and every decode step on its
+            decode graph, on both sides (one ``KVCache`` for the converted pair).
+        converted: path of ``convert(original)`` (a folder or two paths for a
+            pair); None converts into a temporary directory first.
         prompt: text (needs ``tokenizer.json`` next to a model or in
             ``tokenizer_dir``); or ``prompt_ids``: list of token id lists, one
             per row. Neither: ``prefill`` seeded random ids.
         batch_size: rows (>= 1); rows beyond the given prompts are shortened
-            copies, so the batch is padded.
+            copies, so the batch is padded; for a model without an
+            ``attention_mask`` input (no padding) they are rotated copies of
+            equal length, and given rows must have equal lengths.
         steps: greedy decode steps after the prefill.
         atol, rtol: pass when ``|Δ| <= atol + rtol·|original|`` at every real
             position; defaults by dtype (:data:`DEFAULT_TOL`), or :data:`QUANTIZED_TOL`
@@ -205,8 +220,10 @@ def compare(original, converted=None, *, prompt: Optional[str] = None,
         :class:`CompareResult` (``.ok``, ``.summary()``, ``.to_dict()``).
 
     Raises:
-        ValueError: bad arguments, a model input this loop cannot feed, or
-            text without a tokenizer.
+        ValueError: bad arguments, a model input this loop cannot feed, text
+            without a tokenizer, a pair whose graphs disagree, or rows of
+            unequal length for a model without ``attention_mask``.
+        FileNotFoundError: a missing model (the message names the argument).
         RuntimeError: the EP did not start.
         CompareError: a run of either model failed (ORT's reason, the model
             and the step in the message).
@@ -217,6 +234,7 @@ def compare(original, converted=None, *, prompt: Optional[str] = None,
     from ._text import TextTokenizer
     from .rewrite import convert as _convert
     from .rewrite import read_metadata
+    from .rewrite._pair import check_pair_metadata, model_files
 
     if batch_size < 1:
         raise ValueError(f"compare: batch_size; expected >= 1, got {batch_size}")
@@ -227,54 +245,78 @@ def compare(original, converted=None, *, prompt: Optional[str] = None,
     if tokenizer_dir is not None and not os.path.isdir(os.fspath(tokenizer_dir)):
         raise ValueError(f"compare: tokenizer_dir; expected a folder with tokenizer.json, got "
                          f"{os.fspath(tokenizer_dir)!r} (not a folder)")
-    original = os.fspath(original)
-    for what, path in (("original", original), ("converted", converted)):
-        if path is not None and not os.path.isfile(os.fspath(path)):
-            raise FileNotFoundError(f"compare: {what}; expected an ONNX file, got {os.fspath(path)!r} "
-                                    f"({'a folder' if os.path.isdir(os.fspath(path)) else 'not found'})")
-    try:
-        read_metadata(original)
-        already = True
-    except ValueError:
-        already = False
-    if already:
-        raise ValueError(f"compare: original; {original!r} is already converted by onnx_light_ep.convert; pass "
-                         "the exported model first (and the converted one second, or nothing)")
+    orig, orig_dec = model_files(original, "compare", "original")
+    if converted is not None:
+        conv, conv_dec = model_files(converted, "compare", "converted")
+        if (orig_dec is None) != (conv_dec is None):
+            raise ValueError(f"compare: converted; expected {'a prefill/decode pair' if orig_dec else 'one model'} "
+                             f"as the original is, got {'a pair' if conv_dec else 'one model'}")
+    for path in (orig, orig_dec):
+        if path is None:
+            continue
+        try:
+            read_metadata(path)
+            already = True
+        except ValueError:
+            already = False
+        if already:
+            raise ValueError(f"compare: original; {path!r} is already converted by onnx_light_ep.convert; pass "
+                             "the exported model first (and the converted one second, or nothing)")
     tmp = None
     if converted is None:
         tmp = tempfile.TemporaryDirectory(prefix="onnx_light_compare_")
-        converted = os.path.join(tmp.name, "model.onnx")
-        _convert(original, converted)
-    converted = os.fspath(converted)
+        if orig_dec is None:
+            conv, conv_dec = os.path.join(tmp.name, "model.onnx"), None
+            _convert(orig, conv)
+        else:  # each graph of the pair in its role, as convert does for a folder
+            conv, conv_dec = os.path.join(tmp.name, "prefill.onnx"), os.path.join(tmp.name, "decode.onnx")
+            _convert(orig, conv, stage="prefill")
+            _convert(orig_dec, conv_dec, stage="decode")
     try:
-        meta = read_metadata(converted)
-        tok = TextTokenizer.find([tokenizer_dir, os.path.dirname(os.path.abspath(original)),
-                                  os.path.dirname(os.path.abspath(converted))])
+        meta = read_metadata(conv)
+        if conv_dec is not None:
+            check_pair_metadata(meta, read_metadata(conv_dec), "compare")
+        tok = TextTokenizer.find([tokenizer_dir, os.path.dirname(os.path.abspath(orig)),
+                                  os.path.dirname(os.path.abspath(conv))])
         if prompt is not None:
             if tok is None:
                 raise ValueError("compare: prompt; expected token ids (no tokenizer.json with the tokenizers "
                                  "package next to the model), got text")
             prompt_ids = [tok.encode((tok.chat_prompt(prompt) or prompt) if chat else prompt)]
         # plain ORT: CPU EP only, no custom-op library
-        sess_a = ort.InferenceSession(original, _session_options(ort, threads), providers=["CPUExecutionProvider"])
-        sess_b = InferenceSession(converted, _session_options(ort, threads), provider_options)
+        so = _session_options(ort, threads)
+        sess_a = ort.InferenceSession(orig, so, providers=["CPUExecutionProvider"])
+        sess_b = InferenceSession(conv, _session_options(ort, threads), provider_options)
+        dec_a = sess_a if orig_dec is None else ort.InferenceSession(orig_dec, so, providers=["CPUExecutionProvider"])
+        dec_b = sess_b if conv_dec is None else InferenceSession(conv_dec, _session_options(ort, threads),
+                                                                  provider_options)
         vocab = _vocab(sess_a)
-        rows = make_prompts(prompt_ids, batch_size, prefill, vocab, seed)
+        unpadded = "attention_mask" not in {i.name for i in sess_a.get_inputs()}
+        rows = make_prompts(prompt_ids, batch_size, prefill, vocab, seed, equal_lengths=unpadded)
+        if unpadded and len({len(r) for r in rows}) > 1:
+            raise ValueError(f"compare: prompt_ids; the model has no attention_mask input (no padding), so a batch "
+                             f"needs rows of equal length, got lengths {[len(r) for r in rows]}")
         dtype = meta["dtype"]
-        d_atol, d_rtol = QUANTIZED_TOL if _quantized(original) else DEFAULT_TOL.get(dtype, (1e-4, 1e-5))
+        d_atol, d_rtol = QUANTIZED_TOL if _quantized(orig) else DEFAULT_TOL.get(dtype, (1e-4, 1e-5))
         tol = (d_atol if atol is None else float(atol), d_rtol if rtol is None else float(rtol))
-        result = CompareResult(original=original, converted=converted, batch_size=batch_size,
+        result = CompareResult(original=_describe(orig, orig_dec), converted=_describe(conv, conv_dec),
+                               batch_size=batch_size,
                                prompt_lengths=[len(r) for r in rows], padding_side=meta["padding_side"],
                                dtype=dtype, atol=tol[0], rtol=tol[1],
                                providers={"original": sess_a.get_providers(), "converted": sess_b.get_providers()})
-        pairs = layer_pairs(meta) + [tuple(p) for p in meta.get("tensor_pairs", [])]
-        pasts = PastFeeds(sess_a, pairs, batch_size, meta["head_dim"], meta["v_head_dim"], past_capacities(meta))
+        dmeta = meta if conv_dec is None else read_metadata(conv_dec)
+        pairs = layer_pairs(dmeta) + [tuple(p) for p in dmeta.get("tensor_pairs", [])]
+        pasts = PastFeeds(dec_a, pairs, batch_size, meta["head_dim"], meta["v_head_dim"], past_capacities(dmeta))
+        # A pair's prefill graph starts the cache: its presents are the decode graph's first pasts.
+        first = prefill_pairs(meta, dmeta) if conv_dec is not None else None
         known = ["input_ids", "attention_mask", "position_ids", "seqlens_k", "total_sequence_length"]
-        check_inputs(sess_a, known + [p for p, _ in pasts.pairs], "compare (original)")
-        check_inputs(sess_b, known + [meta["cache_input"]] + [p for p, _ in pairs if p in
-                                                              {i.name for i in sess_b.get_inputs()}],
-                     "compare (converted)")
-        state_pairs = [(p, q) for p, q in pairs if p in {i.name for i in sess_b.get_inputs()}]
+        if dec_a is not sess_a:
+            check_inputs(sess_a, known, "compare (original prefill)")
+        check_inputs(dec_a, known + [p for p, _ in pasts.pairs], "compare (original)")
+        for sb in {id(sess_b): sess_b, id(dec_b): dec_b}.values():
+            check_inputs(sb, known + [meta["cache_input"]] + [p for p, _ in pairs if p in _inputs(sb)],
+                         "compare (converted)")
+        state_pairs = [(p, q) for p, q in pairs if p in _inputs(sess_b)]
         eb = PastFeeds(sess_b, state_pairs, batch_size, meta["head_dim"], meta["v_head_dim"]) if state_pairs else None
         state = DecodeState(rows, meta["padding_side"], pad_token_id=_pad_id(tok))
         logits_a_name = meta.get("logits_output") or sess_a.get_outputs()[0].name
@@ -282,18 +324,18 @@ def compare(original, converted=None, *, prompt: Optional[str] = None,
         with KVCache.for_model(sess_b, batch_size, state.total_length + steps + 1) as cache:
             bar = _progress(steps + 1, progress)
             for step in range(steps + 1):
-                feeds = state.feeds(sess_a)
-                fa = dict(feeds, **pasts.values)
+                sa, sb = (sess_a, sess_b) if step == 0 else (dec_a, dec_b)
+                fa = dict(state.feeds(sa), **{k: v for k, v in pasts.values.items() if k in _inputs(sa)})
                 t0 = time.perf_counter()
-                out_a = _run(sess_a, fa, "the original model (plain ORT)", step)
+                out_a = _run(sa, fa, "the original model (plain ORT)", step)
                 t1 = time.perf_counter()
-                ort_copied = pasts.update(out_a)
+                ort_copied = pasts.update(out_a, first if step == 0 else None)
                 before = cache.stats()
-                fb = dict(state.feeds(sess_b), **{meta["cache_input"]: cache.handle})
+                fb = dict(state.feeds(sb), **{meta["cache_input"]: cache.handle})
                 if eb is not None:
                     fb.update(eb.values)
                 t2 = time.perf_counter()
-                out_b = _run(sess_b, fb, "the converted model (EP)", step)
+                out_b = _run(sb, fb, "the converted model (EP)", step)
                 t3 = time.perf_counter()
                 if eb is not None:
                     eb.update(out_b)
@@ -315,6 +357,14 @@ def compare(original, converted=None, *, prompt: Optional[str] = None,
     finally:
         if tmp is not None:
             tmp.cleanup()
+
+
+def _inputs(session) -> set:
+    return {i.name for i in session.get_inputs()}
+
+
+def _describe(path: str, decode: Optional[str]) -> str:
+    return path if decode is None else f"{path} + {decode}"
 
 
 def _quantized(path: str) -> bool:

@@ -28,13 +28,14 @@ def run_batch(prep: Prepared, *, max_new_tokens: int, temperature: float = 0.0, 
     from .. import KVCache
 
     session, meta, rows, eos, tok = prep.session, prep.meta, prep.rows, prep.eos, prep.tokenizer
+    first, later = prep.step_sessions  # a prefill/decode pair: step 0 on its prefill graph, then its decode graph
     pairs = [tuple(p) for p in meta.get("tensor_pairs", [])]
     pasts = PastFeeds(session, pairs, len(rows), meta["head_dim"], meta["v_head_dim"]) if pairs else None
-    check_inputs(session, ["input_ids", "attention_mask", "position_ids", "seqlens_k", "total_sequence_length",
-                          meta["cache_input"]] + [p for p, _ in pairs], "generate")
+    for s in {id(first): first, id(later): later}.values():
+        check_inputs(s, ["input_ids", "attention_mask", "position_ids", "seqlens_k", "total_sequence_length",
+                         meta["cache_input"]] + [p for p, _ in pairs], "generate")
     state = DecodeState(rows, meta["padding_side"], pad_token_id=min(eos) if eos else 0)
     logits_name = meta.get("logits_output") or session.get_outputs()[0].name
-    out_names = [o.name for o in session.get_outputs()]
     rng = np.random.default_rng(seed)
     generated: List[List[int]] = [[] for _ in rows]
     finished = [False] * len(rows)
@@ -53,12 +54,13 @@ def run_batch(prep: Prepared, *, max_new_tokens: int, temperature: float = 0.0, 
     with KVCache.for_model(session, len(rows), state.total_length + max_new_tokens,
                            **(cache_options or {})) as cache:
         for step in range(max_new_tokens):
-            feeds = dict(state.feeds(session), **{meta["cache_input"]: cache.handle})
+            run = first if step == 0 else later
+            feeds = dict(state.feeds(run), **{meta["cache_input"]: cache.handle})
             if pasts is not None:
                 feeds.update(pasts.values)
             t0 = time.perf_counter()
             try:
-                outs = dict(zip(out_names, session.run(None, feeds)))
+                outs = dict(zip([o.name for o in run.get_outputs()], run.run(None, feeds)))
             except Exception as e:
                 tick.close()
                 raise GenerateError(f"generate: the run of step {step} failed after "

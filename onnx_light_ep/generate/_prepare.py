@@ -54,6 +54,13 @@ class Prepared:
     session: object
     vocab: Optional[int]
     _tmp: Optional[tempfile.TemporaryDirectory] = None
+    #: a prefill/decode pair: the decode graph's session (step 0 runs ``session``, later steps this)
+    decode_session: object = None
+
+    @property
+    def step_sessions(self):
+        """``(prefill session, decode session)``: the same session twice for one model."""
+        return self.session, self.decode_session if self.decode_session is not None else self.session
 
     def decode(self, ids: Sequence[int]) -> Optional[str]:
         return self.tokenizer.decode(ids) if self.tokenizer is not None else None
@@ -80,6 +87,11 @@ def prepare(model, prompt=None, *, prompt_ids=None, chat: bool = False, max_new_
             extra_positions: int = 0, prompt_required: bool = True) -> Prepared:
     """Check and load everything a loop needs (see :func:`onnx_light_ep.generate.generate` for the arguments).
 
+    ``model`` is one ONNX file, or a prefill/decode pair (transformers'
+    exporter): a folder holding ``prefill.onnx`` and ``decode.onnx``, or the
+    two paths; both graphs get a session (``decode_session``) and run on one
+    cache. ``session`` reuses open sessions: one, or ``(prefill, decode)`` for a pair.
+
     ``extra_positions``: positions a loop may use beyond prompt + ``max_new_tokens``
     (speculative verification writes drafts it may later drop).
     ``prompt_required=False``: no prompt is fine (``rows`` is then empty: a
@@ -87,34 +99,43 @@ def prepare(model, prompt=None, *, prompt_ids=None, chat: bool = False, max_new_
 
     Raises:
         ValueError: bad arguments, text without a tokenizer, token ids outside
-            the vocabulary, or prompt + ``max_new_tokens`` beyond the model's
-            positions (``onnx_light.max_position``).
-        FileNotFoundError: ``model`` is not a file.
+            the vocabulary, prompt + ``max_new_tokens`` beyond the model's
+            positions (``onnx_light.max_position``), a pair whose graphs
+            disagree, one graph of a pair given alone, or prompt rows of
+            unequal length for a model without ``attention_mask``.
+        FileNotFoundError: ``model`` is not a file (nor a folder holding a pair).
     """
     from .. import InferenceSession
     from .._text import TextTokenizer, eos_token_ids as _eos_ids
     from ..rewrite import convert as _convert
     from ..rewrite import read_metadata
+    from ..rewrite._pair import check_pair_metadata, model_files
 
     if max_new_tokens < 1:
         raise ValueError(f"generate: max_new_tokens; expected >= 1, got {max_new_tokens}")
     if tokenizer_dir is not None and not os.path.isdir(os.fspath(tokenizer_dir)):
         raise ValueError(f"generate: tokenizer_dir; expected a folder with tokenizer.json, got "
                          f"{os.fspath(tokenizer_dir)!r} (not a folder)")
-    path = os.fspath(model)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"generate: model; expected an ONNX file, got {path!r} "
-                                f"({'a folder' if os.path.isdir(path) else 'not found'})")
+    path, decode = model_files(model, "generate")
     src_dir = os.path.dirname(os.path.abspath(path))
     tmp = None
     try:
         meta = read_metadata(path)
     except ValueError:
         tmp = tempfile.TemporaryDirectory(prefix="onnx_light_generate_")
-        converted = os.path.join(tmp.name, "model.onnx")
-        _convert(path, converted)
+        converted = os.path.join(tmp.name, "prefill.onnx" if decode else "model.onnx")
+        _convert(path, converted, stage="prefill" if decode else None)
         path, meta = converted, read_metadata(converted)
+        if decode:  # each graph of the pair in its role, as convert does for a folder
+            _convert(decode, os.path.join(tmp.name, "decode.onnx"), stage="decode")
+            decode = os.path.join(tmp.name, "decode.onnx")
     try:
+        if decode is not None:
+            check_pair_metadata(meta, read_metadata(decode), "generate")
+        elif meta.get("stage"):
+            raise ValueError(f"generate: model; {path!r} is the {meta['stage']} graph of a prefill/decode pair "
+                             f"(onnx_light.stage); expected the folder holding prefill.onnx and decode.onnx, or "
+                             f"both paths")
         tok = TextTokenizer.find([tokenizer_dir, src_dir])
         if prompt is not None:
             if tok is None:
@@ -142,14 +163,24 @@ def prepare(model, prompt=None, *, prompt_ids=None, chat: bool = False, max_new_
                              f"<= {int(limit) - longest - extra_positions}")
         eos = set(eos_token_ids) if eos_token_ids is not None else (
             tok.eos_token_ids if tok is not None else _eos_ids(tokenizer_dir or "", src_dir))
+        decode_session = None
+        if decode is not None and session is not None:
+            if not (isinstance(session, (list, tuple)) and len(session) == 2):
+                raise ValueError("generate: session; expected (prefill session, decode session) for a "
+                                 f"prefill/decode pair, got {type(session).__name__}")
+            session, decode_session = session
         if session is None:
             import onnxruntime as ort
 
-            so = ort.SessionOptions()
-            so.log_severity_level = 3
-            if threads:
-                so.intra_op_num_threads = int(threads)
-            session = InferenceSession(path, so, provider_options)
+            def open_session(p):
+                so = ort.SessionOptions()
+                so.log_severity_level = 3
+                if threads:
+                    so.intra_op_num_threads = int(threads)
+                return InferenceSession(p, so, provider_options)
+
+            session = open_session(path)
+            decode_session = open_session(decode) if decode is not None else None
         logits_shape = next((o.shape for o in session.get_outputs()
                              if o.name == (meta.get("logits_output") or session.get_outputs()[0].name)), None)
         vocab = logits_shape[-1] if logits_shape and isinstance(logits_shape[-1], int) else None
@@ -158,9 +189,12 @@ def prepare(model, prompt=None, *, prompt_ids=None, chat: bool = False, max_new_
             if bad:
                 raise ValueError(f"generate: prompt_ids[{i}]; expected token ids in [0, {vocab}) (the model's "
                                  f"vocabulary), got {bad[0]}")
+        if "attention_mask" not in {i.name for i in session.get_inputs()} and len({len(r) for r in rows}) > 1:
+            raise ValueError(f"generate: prompt_ids; the model has no attention_mask input (no padding), so a "
+                             f"batch needs prompts of equal length (in tokens), got {[len(r) for r in rows]}")
     except BaseException:
         if tmp is not None:
             tmp.cleanup()
         raise
     return Prepared(path=path, meta=meta, tokenizer=tok, rows=rows, eos=eos, session=session, vocab=vocab,
-                    _tmp=tmp)
+                    _tmp=tmp, decode_session=decode_session)

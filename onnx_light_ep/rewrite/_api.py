@@ -131,7 +131,7 @@ def _tensor_bytes(model: onnx.ModelProto) -> int:
 
 
 def convert(input_path, output_path, *, keep_present: Sequence[str] = (), sliding_window: Optional[int] = None,
-            cache_input: str = "kv_cache", check: bool = True) -> ConvertReport:
+            cache_input: str = "kv_cache", check: bool = True, stage: Optional[str] = None):
     """Rewrite a decoder ONNX model so its attention uses a persistent ``KVCache``.
 
     Args:
@@ -150,9 +150,18 @@ def convert(input_path, output_path, *, keep_present: Sequence[str] = (), slidin
             layers whose graph has none, else no window.
         cache_input: name of the int64 ``[1]`` cache-handle input to add.
         check: run ``onnx.checker.check_model`` on the result.
+        stage: ``"prefill"`` or ``"decode"`` when the input is one graph of a
+            prefill/decode pair (transformers' exporter): recorded as
+            ``onnx_light.stage``; ``"prefill"`` also removes the presents that
+            have no past (they start the cache the decode graph continues)
+            instead of keeping them through ``CacheExport``. None: one model
+            that runs every step. A folder holding ``prefill.onnx`` and
+            ``decode.onnx`` as ``input_path`` converts both (``stage`` must be
+            None then) into the folder ``output_path``.
 
     Returns:
-        :class:`ConvertReport`.
+        :class:`ConvertReport`, or for a folder a :class:`PairReport`
+        (``.prefill``, ``.decode``).
 
     Raises:
         ConvertError: no recognizable attention with a cache (the message lists
@@ -162,6 +171,13 @@ def convert(input_path, output_path, *, keep_present: Sequence[str] = (), slidin
     """
     src = os.fspath(input_path)
     dst = os.fspath(output_path)
+    if stage not in (None, "prefill", "decode"):
+        raise ConvertError(f"convert: stage; expected None, 'prefill' or 'decode', got {stage!r}")
+    if os.path.isdir(src) and stage is None:
+        from ._pair import convert_pair
+
+        return convert_pair(src, dst, keep_present=keep_present, sliding_window=sliding_window,
+                            cache_input=cache_input, check=check)
     if not os.path.isfile(src):
         raise FileNotFoundError(f"convert: input_path; expected an ONNX file, got {src!r} "
                                 f"({'a folder' if os.path.isdir(src) else 'not found'})")
@@ -193,7 +209,7 @@ def convert(input_path, output_path, *, keep_present: Sequence[str] = (), slidin
     excluded: Dict[str, Refusal] = {}
     for _ in range(256):
         try:
-            res = attempt(original, base_dir, excluded, keep, sliding_window, cache_input, windows_from_config)
+            res = attempt(original, base_dir, excluded, keep, sliding_window, cache_input, stage, windows_from_config)
         except ValueError as e:
             raise ConvertError(str(e)) from e
         if not res.new_refusals:
@@ -230,7 +246,7 @@ def convert(input_path, output_path, *, keep_present: Sequence[str] = (), slidin
         "padding_side": "right" if any(p.padding == "right" for p in plans) else "left",
         "inputs": res.io_names, "logits_output": _logits_name(res.model), "commit_output": res.commit_output,
         "layers": [{k: v for k, v in x.items() if k not in ("notes", "attrs")} for x in layers],
-        "tensor_pairs": tensor_pairs, "max_position": max_position,
+        "tensor_pairs": tensor_pairs, "max_position": max_position, "stage": stage,
     }
     write_metadata(res.model, meta)
     _check_single_producers(res.model)

@@ -9,7 +9,9 @@ One attempt works on a fresh copy of the input graph:
    attention output to it; add the int64 ``[1]`` cache input;
 3. drop the loop-carried presents from the graph outputs and the pasts from
    the graph inputs (a present with no past partner, or one named in
-   ``keep_present``, stays, produced by ``CacheExport``); remove dead nodes;
+   ``keep_present``, stays, produced by ``CacheExport``, except in the
+   prefill graph of a prefill/decode pair, ``stage="prefill"``, whose presents
+   start the cache the decode graph continues); remove dead nodes;
 4. what still reads a present: ``Shape`` gets the shape computed from the
    other inputs, anything else gets ``CacheExport`` (the value is kept);
 5. what still reads a past: ``Shape`` gets the computed shape; anything else
@@ -18,7 +20,10 @@ One attempt works on a fresh copy of the input graph:
 
 The past length used for shapes is ``attention_mask`` width minus the new
 length (``input_ids``/``inputs_embeds``/``position_ids`` dim 1): the meaning
-``attention_mask`` keeps after conversion.
+``attention_mask`` keeps after conversion. A graph without ``attention_mask``
+reads it from the cache: ``ai.onnx_light.CacheShape`` gives ``[B, Hkv, P, D]``
+(``P`` = the longest committed sequence), and a present's shape adds the new
+length on axis 2.
 """
 
 from __future__ import annotations
@@ -135,22 +140,57 @@ def io_names(ed: GraphEditor) -> Dict[str, Optional[str]]:
 
 
 class _Shapes:
-    """Builds ``[B, Hkv, P, D]`` / ``[B, Hkv, P+S, D]`` from the graph inputs, once per geometry."""
+    """Builds the shapes ``[B, Hkv, P, D]`` (a past) and ``[B, Hkv, P+S, D]`` (a present) of a layer.
 
-    def __init__(self, ed: GraphEditor, names: Dict[str, Optional[str]]):
-        self.ed, self.names, self.cache = ed, names, {}
+    With an ``attention_mask`` input: from its width ``P + S`` and the new length ``S``
+    (``input_ids``/``inputs_embeds``/``position_ids`` dim 1), once per geometry, the meaning the
+    mask keeps after conversion. Without one: from the cache itself,
+    ``ai.onnx_light.CacheShape(cache, layer)`` (``P`` = the longest sequence's committed length),
+    plus ``S`` on axis 2 for a present. :meth:`available` is False only when neither source exists
+    (no input gives ``S``).
+    """
+
+    def __init__(self, ed: GraphEditor, names: Dict[str, Optional[str]], cache_input: str):
+        self.ed, self.names, self.cache_input, self.cache = ed, names, cache_input, {}
+        self.cache_shapes = False  # a CacheShape node was written
+
+    def _seq_src(self) -> Optional[str]:
+        n = self.names
+        return n["input_ids"] or n["inputs_embeds"] or n["position_ids"]
+
+    def from_mask(self) -> bool:
+        return bool(self.names["attention_mask"]) and bool(self._seq_src())
 
     def available(self) -> bool:
-        n = self.names
-        return bool(n["attention_mask"]) and bool(n["input_ids"] or n["inputs_embeds"] or n["position_ids"])
+        return bool(self._seq_src())
 
-    def get(self, kind: str, hkv: int, d: int) -> str:
+    def get(self, kind: str, hkv: int, d: int, layer: int, value: bool) -> str:
+        """int64 ``[4]``: the shape of layer ``layer``'s past (``kind="past"``) or present key
+        (``value=False``, last dim ``d`` = head_dim) or value (``value=True``, ``d`` = v_head_dim)."""
+        if self.from_mask():
+            return self._from_mask(kind, hkv, d)
+        key = (kind, layer, value)
+        if key in self.cache:
+            return self.cache[key]
+        ed = self.ed
+        self.cache_shapes = True
+        vec = ed.add_node1("CacheShape", [self.cache_input], hint=f"shape/layer{layer}_{'v' if value else 'k'}_past",
+                           domain=DOMAIN, layer=layer, value=int(value))
+        if kind == "present":
+            s = dim_of(ed, self._seq_src(), 1, "shape/new")
+            zero = const_i64(ed, [0], "shape/zero")
+            step = ed.add_node1("Concat", [zero, zero, s, zero], hint="shape/new_rows", axis=0)
+            vec = ed.add_node1("Add", [vec, step], hint=f"shape/layer{layer}_{'v' if value else 'k'}_present")
+        self.cache[key] = vec
+        return vec
+
+    def _from_mask(self, kind: str, hkv: int, d: int) -> str:
         key = (kind, hkv, d)
         if key in self.cache:
             return self.cache[key]
         ed, n = self.ed, self.names
         mask = n["attention_mask"]
-        seq_src = n["input_ids"] or n["inputs_embeds"] or n["position_ids"]
+        seq_src = self._seq_src()
         b = dim_of(ed, mask, 0, "shape/batch")
         total = dim_of(ed, mask, 1, "shape/total")
         length = total
@@ -185,7 +225,7 @@ def _substitute_shape(ed: GraphEditor, node: onnx.NodeProto, vec: str) -> None:
 
 def attempt(original: onnx.ModelProto, base_dir: Optional[str], excluded: Dict[str, Refusal],
             keep_present: Sequence[str], sliding_window: Optional[int], cache_input: str,
-            config_windows: Optional[List[Optional[int]]] = None) -> Attempt:
+            stage: Optional[str] = None, config_windows: Optional[List[Optional[int]]] = None) -> Attempt:
     """One conversion attempt on a copy of ``original`` (see module docstring)."""
     model = copy.deepcopy(original)
     ed = GraphEditor(model, base_dir)
@@ -228,7 +268,7 @@ def attempt(original: onnx.ModelProto, base_dir: Optional[str], excluded: Dict[s
 
     ed.graph.input.append(helper.make_tensor_value_info(cache_input, TensorProto.INT64, [1]))
     ed.refresh()
-    ys = []
+    ys, cas = [], []  # per layer: the output consumers read, the CacheAttention output
     for layer, p in enumerate(plans):
         ops = p.prepare(ed)
         ins = [ops.query, ops.key, ops.value, cache_input]
@@ -239,6 +279,7 @@ def attempt(original: onnx.ModelProto, base_dir: Optional[str], excluded: Dict[s
         y = ed.add_node1("CacheAttention", ins, hint=f"layer{layer}/cache_attention", domain=DOMAIN,
                          layer=layer, **p.attrs)
         _copy_value_info(ed, p.y_old, y)
+        cas.append(y)
         y = _pin_shape(ed, res, y, ops.query, p)
         if ed.is_graph_output(p.y_old):
             ed.add_node("Identity", [y], 1, hint="y_out")
@@ -256,7 +297,8 @@ def attempt(original: onnx.ModelProto, base_dir: Optional[str], excluded: Dict[s
     for p in plans:
         for past, present in ((p.past_key, p.present_key), (p.past_value, p.present_value)):
             for o in _identity_outputs(ed, present):
-                if past is not None and o not in keep:
+                # A prefill graph's presents (no past) start the cache its decode graph continues.
+                if (past is not None or stage == "prefill") and o not in keep:
                     drop_outputs.add(o)
     res.removed_outputs = [o for o in ed.output_names if o in drop_outputs]
     outs = [o for o in ed.graph.output if o.name not in drop_outputs]
@@ -278,31 +320,35 @@ def attempt(original: onnx.ModelProto, base_dir: Optional[str], excluded: Dict[s
                 res.notes.append(f"attention {plans[k].anchor_name} only fed its present outputs; it was removed")
         plans = [plans[k] for k in live]
         ys = [ys[k] for k in live]
-        for layer, y in enumerate(ys):
+        cas = [cas[k] for k in live]
+        for layer, y in enumerate(cas):
             for a in ed.producer(y).attribute:
                 if a.name == "layer":
                     a.i = layer
         res.plans = plans
 
-    shapes = _Shapes(ed, res.io_names)
-    for p in plans:
-        for present, d in ((p.present_key, p.head_dim), (p.present_value, p.v_head_dim)):
+    shapes = _Shapes(ed, res.io_names, cache_input)
+    for layer, p in enumerate(plans):
+        for present, d, value in ((p.present_key, p.head_dim, False), (p.present_value, p.v_head_dim, True)):
             for alias in _aliases(ed, present):
                 for c in ed.consumers(alias):
                     if c.op_type == "Shape" and c.domain in ("", "ai.onnx") and shapes.available():
-                        _substitute_shape(ed, c, shapes.get("present", p.kv_num_heads, d))
+                        _substitute_shape(ed, c, shapes.get("present", p.kv_num_heads, d, layer, value))
         if shapes.available():
-            _substitute_chain_shapes(ed, p, shapes)
+            _substitute_chain_shapes(ed, p, layer, shapes)
     ed.eliminate_dead()
     for layer, p in enumerate(plans):
-        if any(ed.consumers(x) or ed.is_graph_output(x) for x in (p.present_key, p.present_value)):
-            anc = ed.ancestors(list(ed.producer(ys[layer]).input))
-            if any(id(ed.producer(x)) in anc for x in (p.present_key, p.present_value) if ed.producer(x)):
-                res.new_refusals.append(Refusal(p.anchor_name, p.pattern, (
-                    "the attention's own inputs (mask or query) read the present tensor's values; the cache "
-                    "cannot provide them before the attention runs")))
+        ca = ed.producer(cas[layer])
+        presents = (p.present_key, p.present_value)
+        # A graph that starts the cache has present = the new rows, which its CacheAttention reads as key/value.
+        readers = {x: [c for c in ed.consumers(x) if c is not ca] for x in presents}
+        if any(readers[x] or ed.is_graph_output(x) for x in presents):
+            anc = ed.ancestors(list(ca.input))
+            early = [(x, c) for x in presents for c in readers[x] if id(c) in anc]
+            if early:
+                res.new_refusals.append(Refusal(p.anchor_name, p.pattern, _early_reader_reason(early)))
                 continue
-            _export(ed, p, layer, ys[layer], cache_input)
+            _export(ed, p, layer, ys[layer], cache_input, ca)
             res.exported.add(layer)
     if res.new_refusals:
         return res
@@ -311,7 +357,7 @@ def attempt(original: onnx.ModelProto, base_dir: Optional[str], excluded: Dict[s
                         if any(o in _identity_outputs(ed, x) for p in plans for x in (p.present_key, p.present_value))]
 
     for layer, p in enumerate(plans):
-        for past, d in ((p.past_key, p.head_dim), (p.past_value, p.v_head_dim)):
+        for past, d, value in ((p.past_key, p.head_dim, False), (p.past_value, p.v_head_dim, True)):
             if not past:
                 continue
             for alias in _aliases(ed, past):
@@ -319,13 +365,17 @@ def attempt(original: onnx.ModelProto, base_dir: Optional[str], excluded: Dict[s
                     if c.op_type == "Shape" and c.domain in ("", "ai.onnx"):
                         if not shapes.available():
                             res.new_refusals.append(Refusal(p.anchor_name, p.pattern, (
-                                f"Shape of past {past!r} is used but the past length cannot be derived "
-                                f"(needs an attention_mask input and input_ids/inputs_embeds/position_ids)")))
+                                f"Shape of past {past!r} is used but the graph has no input giving the new length "
+                                f"(input_ids/inputs_embeds/position_ids)")))
                             continue
-                        _substitute_shape(ed, c, shapes.get("past", p.kv_num_heads, d))
+                        _substitute_shape(ed, c, shapes.get("past", p.kv_num_heads, d, layer, value))
     ed.eliminate_dead()
     if res.new_refusals:
         return res
+    if shapes.cache_shapes:
+        res.notes.append("no attention_mask input: the shapes of the pasts/presents that the graph reads (Shape) "
+                         "come from the cache (ai.onnx_light.CacheShape: P = the longest sequence's length), exact "
+                         "when every row of the cache holds the same number of positions")
     for layer, p in enumerate(plans):
         for past in (p.past_key, p.past_value):
             if past and ed.consumers(past):
@@ -364,7 +414,7 @@ def _add_commit(ed: GraphEditor, cache_input: str) -> str:
     return name
 
 
-def _substitute_chain_shapes(ed: GraphEditor, p: LayerPlan, shapes: "_Shapes") -> None:
+def _substitute_chain_shapes(ed: GraphEditor, p: LayerPlan, layer: int, shapes: "_Shapes") -> None:
     """``Shape`` of a layout view of a present (e.g. the GQA-expanded K whose length sizes the mask),
     rebuilt from the present's computed shape when every dimension is a constant or a present dimension.
 
@@ -391,7 +441,7 @@ def _substitute_chain_shapes(ed: GraphEditor, p: LayerPlan, shapes: "_Shapes") -
                     parts.append(const_i64(ed, [e], "shape/view_dim"))
                 elif e is not None and e in pdims:
                     j = pdims.index(e)
-                    vec = shapes.get("present", p.kv_num_heads, p.head_dim)
+                    vec = shapes.get("present", p.kv_num_heads, p.head_dim, layer, False)
                     parts.append(ed.add_node1("Slice", [vec, const_i64(ed, [j], "shape/s"),
                                                         const_i64(ed, [j + 1], "shape/e")], hint="shape/view"))
                 else:
@@ -444,13 +494,32 @@ def _copy_value_info(ed: GraphEditor, old: str, new: str) -> None:
         ed.graph.value_info.append(helper.make_tensor_value_info(new, info[0], info[1]))
 
 
-def _export(ed: GraphEditor, p: LayerPlan, layer: int, y: str, cache_input: str) -> None:
-    """Make ``CacheExport`` produce the present tensors under their own names."""
+def _early_reader_reason(early: List[Tuple[str, onnx.NodeProto]]) -> str:
+    """Why a layer whose attention inputs (mask, query) depend on its present tensors is refused."""
+    who = ", ".join(sorted({f"{c.op_type} {c.name or c.output[0]!r} reads {x!r}" for x, c in early}))
+    if all(c.op_type == "Shape" and c.domain in ("", "ai.onnx") for _, c in early):
+        return (f"the attention's own inputs (mask or query) read the shape of its present tensor ({who}), and "
+                "the graph has no input giving the new length (input_ids/inputs_embeds/position_ids) to rebuild "
+                "that shape from the cache")
+    return (f"the attention's own inputs (mask or query) read the present tensor's values ({who}); the cache "
+            "cannot provide them before the attention runs")
+
+
+def _export(ed: GraphEditor, p: LayerPlan, layer: int, y: str, cache_input: str, ca: onnx.NodeProto) -> None:
+    """Make ``CacheExport`` produce the present tensors under their own names.
+
+    A present that is the new rows themselves (a graph that starts the cache) keeps feeding its
+    ``CacheAttention`` under a new name; every other reader gets the exported present.
+    """
     names = []
     for present in (p.present_key, p.present_value):
         prod = ed.producer(present)
         if prod is not None:
-            prod.output[list(prod.output).index(present)] = ed.new_name("dead_present")
+            fresh = ed.new_name("dead_present")
+            if present in ca.input:
+                fresh = ed.new_name("new_rows")
+                ed.replace_uses(present, fresh, [ca])
+            prod.output[list(prod.output).index(present)] = fresh
         names.append(present)
     node = helper.make_node("CacheExport", [cache_input, y], names, name=ed.new_name(f"layer{layer}/cache_export"),
                             domain=DOMAIN, layer=layer)

@@ -26,6 +26,13 @@ Semantics kept exactly:
 
 An optional ``sliding_window`` (from the model config; exporters often drop
 it, CASES C06) becomes ``local_window_size`` and is recorded in the metadata.
+
+A graph that starts the cache (the prefill graph of transformers' exporter:
+no past input, the rotated K and the V of the new tokens are graph outputs
+that the decode graph takes back as its pasts) is matched the same way with
+``K = V = the new rows`` (pattern ``decomposed (no past)``): converted with
+P = 0, the masks it builds from the new length keep their meaning on an
+empty cache.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from ._kvpath import reads_past_concat, trace_kv
 from ._plan import LayerPlan, Operands, Refusal, anchor_name, combine_masks
 
 PATTERN = "Concat+decomposed"
+PATTERN_NO_PAST = "decomposed (no past)"
 _NEG_LIMIT = -1.0e4  # a Where fill at or below this is a mask value
 
 
@@ -240,25 +248,28 @@ def match_decomposed(ed: GraphEditor, softmax: onnx.NodeProto,
         cached = not isinstance(pv, str) and reads_past_concat(ed, pv.input[1])
         return Refusal(name, PATTERN, back) if cached else None
     qk, s_factor, softcap, masks = back
-    tk = trace_kv(ed, qk.input[1])
+    tk = trace_kv(ed, qk.input[1], present_only=True)
     if isinstance(tk, str):
         return Refusal(name, PATTERN, tk) if reads_past_concat(ed, qk.input[1]) else None
+    pattern = PATTERN if tk.past else PATTERN_NO_PAST
 
     def refuse(reason):
-        return Refusal(name, PATTERN, reason)
+        return Refusal(name, pattern, reason)
 
     if isinstance(pv, str):
         return refuse(pv)
-    tv = trace_kv(ed, pv.input[1])
+    tv = trace_kv(ed, pv.input[1], present_only=True)
     if isinstance(tv, str):
         return refuse(tv)
+    if (tk.past is None) != (tv.past is None):
+        return refuse("one of K and V comes from a past input, the other does not")
     if not tk.swapped:
         return refuse("K reaches MatMul(Q, K) without being transposed")
     if tv.swapped:
         return refuse("V reaches MatMul(p, V) transposed")
     if tv.factor != 1.0:
         return refuse(f"V is scaled by {tv.factor}")
-    if tk.n_rep != tv.n_rep or tk.past == tv.past:
+    if tk.n_rep != tv.n_rep or tk.present == tv.present:
         return refuse("K and V paths disagree (head expansion or past input)")
     q, q_factor = _query_backward(ed, qk.input[0])
     qd, pkd, pvd = ed.dims(q), ed.dims(tk.present), ed.dims(tv.present)
@@ -273,7 +284,7 @@ def match_decomposed(ed: GraphEditor, softmax: onnx.NodeProto,
         return refuse(f"query has {hq} heads but K provides {hkv} kv heads x {tk.n_rep}")
     if qd[3] is not None and qd[3] != d:
         return refuse(f"query head size {qd[3]} != key head size {d}")
-    elem_type = ed.elem_type(q) or ed.elem_type(tk.past)
+    elem_type = ed.elem_type(q) or ed.elem_type(tk.present)
     scale = q_factor * tk.factor * s_factor
     attrs = {"scale": float(scale), "is_causal": 0}
     if softcap:
@@ -286,6 +297,9 @@ def match_decomposed(ed: GraphEditor, softmax: onnx.NodeProto,
         notes.append(f"sliding window {sliding_window} from the options (not in the exported graph)")
     if not masks:
         notes.append("no mask on the scores: every cached key is attended")
+    if tk.past is None:
+        notes.append("no past input: a graph that starts the cache, converted with P = 0 (its masks are built "
+                     "from the new tokens alone; run it on an empty cache, as the original runs without a past)")
 
     def prepare(ed: GraphEditor) -> Operands:
         h = f"L/{name}"
@@ -297,7 +311,7 @@ def match_decomposed(ed: GraphEditor, softmax: onnx.NodeProto,
         return Operands(q, tk.new, tv.new, mask=combine_masks(ed, parts, elem_type, f"{h}/mask"))
 
     return LayerPlan(
-        pattern=PATTERN, anchor=softmax, y_old=pv.output[0], past_key=tk.past, past_value=tv.past,
+        pattern=pattern, anchor=softmax, y_old=pv.output[0], past_key=tk.past, past_value=tv.past,
         present_key=tk.present, present_value=tv.present,
         chain_tensors=[n.output[0] for n in tk.nodes + tv.nodes], q_num_heads=hq, kv_num_heads=hkv, head_dim=d,
         v_head_dim=dv, elem_type=elem_type, attrs=attrs, prepare=prepare, notes=notes)

@@ -19,6 +19,13 @@ the last two axes are swapped. Reshapes must keep the last two dimensions
 which row-major order does without moving data. The result is accepted only
 if the leading labels end as ``B, H, R`` — query head ``h`` then reads kv head
 ``h // R`` (repeat-interleave, CASES C05). ``B, R, H`` (tile) is refused.
+
+A graph that starts the cache (the prefill graph of a prefill/decode pair,
+as transformers' exporter writes it) has no past: its presents are the new
+rows themselves, graph outputs that the decode graph takes back as its pasts.
+With ``present_only=True`` the walk also stops at such a graph output (one
+that no ``Concat`` produces): ``past`` is then None and ``new`` is ``present``
+(P = 0 in the original).
 """
 
 from __future__ import annotations
@@ -38,8 +45,9 @@ class KVTrace:
     """A traced K or V operand (see module docstring).
 
     Attributes:
-        concat: the ``Concat(past, new, axis=seq)`` node.
-        past: graph input holding the past rows (BNSH ``[B, Hkv, P, D]``).
+        concat: the ``Concat(past, new, axis=seq)`` node, or None (no past).
+        past: graph input holding the past rows (BNSH ``[B, Hkv, P, D]``), or None
+            (a graph that starts the cache: the present is the new rows).
         new: tensor of the new rows (BNSH ``[B, Hkv, S, D]``).
         present: the ``Concat`` output (BNSH ``[B, Hkv, P+S, D]``).
         n_rep: query heads per kv head introduced by the expansion (1 = none).
@@ -48,8 +56,8 @@ class KVTrace:
         nodes: the path nodes, present side first.
     """
 
-    concat: onnx.NodeProto
-    past: str
+    concat: Optional[onnx.NodeProto]
+    past: Optional[str]
     new: str
     present: str
     n_rep: int = 1
@@ -125,8 +133,11 @@ def _same(a, b) -> bool:
     return a is not None and b is not None and a == b
 
 
-def trace_kv(ed: GraphEditor, name: str) -> Union[KVTrace, str]:
+def trace_kv(ed: GraphEditor, name: str, present_only: bool = False) -> Union[KVTrace, str]:
     """Trace ``name`` back to ``Concat(past, new)``; see the module docstring.
+
+    ``present_only``: also accept a graph output (not made by ``Concat``) as
+    the present of a graph with no past.
 
     Returns a :class:`KVTrace`, or a reason string when the path is not one
     this module can prove equivalent.
@@ -139,6 +150,9 @@ def trace_kv(ed: GraphEditor, name: str) -> Union[KVTrace, str]:
             return f"{name!r} does not come from Concat(past, new)"
         if p.op_type == "Concat" and p.domain in ("", "ai.onnx"):
             break
+        if present_only and ed.is_graph_output(t):
+            p = None
+            break
         if p.op_type not in _PASS_OPS or p.domain not in ("", "ai.onnx"):
             return f"{name!r} comes from {p.op_type} {p.name!r}, not from Concat(past, new) through layout ops"
         d = _data_input(ed, p)
@@ -146,13 +160,15 @@ def trace_kv(ed: GraphEditor, name: str) -> Union[KVTrace, str]:
             return f"{p.op_type} {p.name!r} on the path of {name!r} has no constant scalar operand"
         chain.append(p)
         t = d
-    concat = p
-    cp = concat_past(ed, concat)
-    if isinstance(cp, str):
-        return cp
-    past, new = cp
     chain.reverse()
-    tr = KVTrace(concat=concat, past=past, new=new, present=concat.output[0], nodes=chain)
+    if p is None:
+        tr = KVTrace(concat=None, past=None, new=t, present=t, nodes=chain)
+    else:
+        cp = concat_past(ed, p)
+        if isinstance(cp, str):
+            return cp
+        past, new = cp
+        tr = KVTrace(concat=p, past=past, new=new, present=p.output[0], nodes=chain)
     pdims = ed.dims(tr.present)
     if pdims is None or len(pdims) != 4:
         return f"present {tr.present!r}: expected 4-D BNSH, shape unknown"

@@ -31,6 +31,8 @@ Keys (all strings, prefix ``onnx_light.``):
 ``tensor_pairs``           JSON ``[[past_input, present_output], ...]`` still
                            loop-carried as tensors (layers left untouched)
 ``max_position``           int, rotary table length when known (optional)
+``stage``                  ``"prefill"`` / ``"decode"``: one graph of a
+                           prefill/decode pair (absent: a model for every step)
 =========================  ==================================================
 """
 
