@@ -13,12 +13,16 @@ exporters people really use:
                  (MatMul/Softmax/MatMul).
 * ``optimum`` -- ``optimum-cli export onnx --task text-generation-with-past --opset 18``, run in
                  a separate virtualenv because optimum-onnx pins transformers < 4.58.
+* ``transformers`` -- transformers' own exporter (``transformers.exporters.OnnxExporter``,
+                 ``export_for_generation``): a prefill/decode pair, written as the folder
+                 ``tests/data/NAME/`` holding ``prefill.onnx`` and ``decode.onnx``.
 
 All models of one family share the same weights (same seed, same Hugging Face folder), so their
 fp32 goldens agree; each fp32 export is checked against a PyTorch reference (full recompute
 without a cache) before it is written.
 
-For each fixture ``NAME`` it writes ``tests/data/NAME.onnx`` (weights embedded, one file),
+For each fixture ``NAME`` it writes ``tests/data/NAME.onnx`` (weights embedded, one file; a pair:
+``tests/data/NAME/prefill.onnx`` and ``decode.onnx``),
 ``tests/data/NAME.npz`` (golden: ``prompt_ids`` [1, 8], ``generated_ids`` [1, 32] from 32 greedy
 steps on plain ONNX Runtime CPUExecutionProvider feeding ``present`` back as ``past``,
 ``prefill_logits`` [1, 8, vocab], ``min_margin`` = smallest top-1/top-2 logit gap over the 32
@@ -126,6 +130,11 @@ FIXTURES = {
     "dynamo_op18_llama": ("dynamo", "llama", {"opset": 18}),
     "optimum_op18_llama": ("optimum", "llama", {"opset": 18}),
     "optimum_op18_gpt2": ("optimum", "gpt2", {"opset": 18}),
+    # prefill/decode pairs; the export traces model.generate on a batch-2 sample (rows of equal
+    # length: no attention_mask input; "padded": the second row left-padded, so the graphs take one)
+    "transformers_llama": ("transformers", "llama", {}),
+    "transformers_llama_mask": ("transformers", "llama", {"padded": True}),
+    "transformers_gpt2": ("transformers", "gpt2", {}),
 }
 
 TOKENIZER_TEXT = [
@@ -263,6 +272,29 @@ def export_dynamo(hf_dir, work, opset):
                              "-> (logits, *present)"}
 
 
+def export_transformers(hf_dir, work, padded=False):
+    """transformers.exporters.OnnxExporter().export_for_generation on a batch-2 sample of 8 tokens
+    (a batch of 1 would fix the batch axis to 1). Returns the folder holding prefill.onnx and
+    decode.onnx (weights in *.onnx.data files, inlined by finalize_pair)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.exporters import OnnxConfig, OnnxExporter
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    ids = torch.tensor([PROMPT_IDS, PROMPT_IDS[4:] + PROMPT_IDS[:4]])
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[1, :3] = 0  # left padding, as generate pads a batch
+    out = work / "out"
+    log(f"transformers OnnxExporter().export_for_generation({hf_dir.name}, padded={padded})")
+    with torch.no_grad():
+        exported = OnnxExporter().export_for_generation(model, {"input_ids": ids, "attention_mask": mask},
+                                                        OnnxConfig(dynamic=True))
+    exported.save_pretrained(str(out))
+    return out, {"export_json": json.loads((out / "export.json").read_text())["components"]["decode"][
+        "metadata"]["export_config"]}
+
+
 def ensure_optimum_venv(venv, create):
     py = venv / "bin" / "python"
     cli = venv / "bin" / "optimum-cli"
@@ -299,11 +331,11 @@ def _vi(v):
             "shape": [d.dim_param if d.dim_param else d.dim_value for d in t.shape.dim]}
 
 
-def attention_pattern(model):
+def attention_pattern(model, past_prefix="past_key_values.", present_prefix="present."):
     """Counts of the nodes that make up attention and the cache in the main graph."""
     g = model.graph
-    past = {i.name for i in g.input if i.name.startswith("past_key_values.")}
-    present = {o.name for o in g.output if o.name.startswith("present.")}
+    past = {i.name for i in g.input if i.name.startswith(past_prefix)}
+    present = {o.name for o in g.output if o.name.startswith(present_prefix)}
     ops = collections.Counter((n.domain + "." if n.domain not in ("", "ai.onnx") else "") + n.op_type
                               for n in g.node)
     producers = collections.Counter()
@@ -361,6 +393,47 @@ def window_buffer_capacity(path):
             for name in n.input[3:5]:
                 out[name] = int(attrs["local_window_size"])
     return out
+
+
+def ort_greedy_pair(folder, prompt=PROMPT_IDS, steps=GREEDY_STEPS):
+    """Plain ORT greedy decode of a prefill/decode pair: step 0 on prefill.onnx (no past), later
+    steps on decode.onnx, each run's presents (layer by layer, in output order) fed back as the
+    decode graph's pasts (in input order)."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    pre = ort.InferenceSession(str(folder / "prefill.onnx"), so, providers=["CPUExecutionProvider"])
+    dec = ort.InferenceSession(str(folder / "decode.onnx"), so, providers=["CPUExecutionProvider"])
+    pasts = [i.name for i in dec.get_inputs() if i.name.startswith("input.cache.")]
+    ids = np.array([prompt], dtype=np.int64)
+    total, generated, margins, prefill, cache = 0, [], [], None, {}
+    for step in range(steps):
+        sess = pre if step == 0 else dec
+        names = {i.name for i in sess.get_inputs()}
+        s = ids.shape[1]
+        feeds = {"input_ids": ids, "position_ids": np.arange(total, total + s, dtype=np.int64)[None], **cache}
+        if "attention_mask" in names:
+            feeds["attention_mask"] = np.ones((1, total + s), np.int64)
+        if names - set(feeds):
+            raise RuntimeError(f"{folder.name}: unhandled inputs {sorted(names - set(feeds))}")
+        outs = [o.name for o in sess.get_outputs()]
+        res = dict(zip(outs, sess.run(None, {k: v for k, v in feeds.items() if k in names})))
+        logits = res["logits"]
+        if step == 0:
+            prefill = logits.copy()
+        last = logits[0, -1]
+        top2 = np.partition(last, -2)[-2:]
+        margins.append(float(top2[1] - top2[0]))
+        nxt = int(np.argmax(last))
+        generated.append(nxt)
+        total += s
+        presents = [o for o in outs if ".cache.layers." in f".{o}"]
+        cache = dict(zip(pasts, (res[o] for o in presents)))
+        assert all(v.shape[2] == total for v in cache.values()), "present length != past + new"
+        ids = np.array([[nxt]], dtype=np.int64)
+    return dict(prompt_ids=np.array([prompt], np.int64), generated_ids=np.array([generated], np.int64),
+                prefill_logits=prefill.astype(np.float32), min_margin=np.float32(min(margins)))
 
 
 def ort_greedy(path, dims, prompt=PROMPT_IDS, steps=GREEDY_STEPS):
@@ -447,7 +520,7 @@ def versions():
 def exporter_version(exporter, extra, vers):
     if exporter == "genai":
         return f"onnxruntime-genai=={vers['onnxruntime-genai']} (transformers=={vers['transformers']})"
-    if exporter == "dynamo":
+    if exporter in ("dynamo", "transformers"):
         return f"torch=={vers['torch']} onnxscript=={vers['onnxscript']} transformers=={vers['transformers']}"
     return extra.get("optimum_env", "optimum")
 
@@ -521,6 +594,71 @@ def make_fixture(name, hf_dirs, out_dir, work_root, args, vers):
     return entry
 
 
+def make_pair_fixture(name, hf_dirs, out_dir, work_root, vers):
+    """A prefill/decode pair (transformers' exporter) as ``out_dir/NAME/{prefill,decode}.onnx``."""
+    exporter, family, opts = FIXTURES[name]
+    hf_dir = hf_dirs[family]
+    work = work_root / name
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    t0 = time.time()
+    raw, extra = export_transformers(hf_dir, work, padded=opts.get("padded", False))
+    folder = out_dir / name
+    shutil.rmtree(folder, ignore_errors=True)
+    graphs = {}
+    for stage in ("prefill", "decode"):
+        graphs[stage] = finalize_onnx(raw / f"{stage}.onnx", folder / f"{stage}.onnx")
+    dims = model_dims(hf_dir)
+    golden = ort_greedy_pair(folder)
+    ref_ids, ref_prefill = torch_reference(hf_dir)
+    ref_check = {"generated_ids_equal": bool(np.array_equal(ref_ids, golden["generated_ids"])),
+                 "prefill_logits_max_abs_diff": float(np.abs(ref_prefill - golden["prefill_logits"]).max())}
+    if not (ref_check["generated_ids_equal"] and ref_check["prefill_logits_max_abs_diff"] < 1e-3):
+        raise RuntimeError(f"{name}: plain-ORT golden disagrees with the PyTorch reference: {ref_check}; "
+                           f"ort={golden['generated_ids'].tolist()} torch={ref_ids.tolist()}")
+    np.savez(out_dir / f"{name}.npz", **golden)
+    entry = {
+        "file": f"{name}/",
+        "files": {stage: f"{name}/{stage}.onnx" for stage in graphs},
+        "golden": f"{name}.npz",
+        "exporter": exporter,
+        "exporter_version": exporter_version(exporter, extra, vers),
+        "export_config": extra["export_json"],
+        "family": family,
+        "architecture": json.loads((hf_dir / "config.json").read_text())["architectures"][0],
+        "weights": "fp32",
+        **dims,
+        "kv_layout": "[batch, kv_num_heads, seq, head_dim]",
+        "past_key": "input.cache.layers.{layer}.keys (decode only)",
+        "past_value": "input.cache.layers.{layer}.values (decode only)",
+        "present_key": "cache.layers.{layer}.keys (prefill), output.cache.layers.{layer}.keys (decode)",
+        "present_value": "cache.layers.{layer}.values (prefill), output.cache.layers.{layer}.values (decode)",
+        "reference_check": ref_check,
+        "min_margin": float(golden["min_margin"]),
+        "graphs": {},
+    }
+    for stage, model in graphs.items():
+        path = folder / f"{stage}.onnx"
+        pattern, op_counts = attention_pattern(model, "input.cache.",
+                                               "cache." if stage == "prefill" else "output.cache.")
+        ins = [_vi(v) for v in model.graph.input]
+        entry["graphs"][stage] = {
+            "opset": {(o.domain or "ai.onnx"): o.version for o in model.opset_import}.get("ai.onnx"),
+            "ir_version": model.ir_version,
+            "has_attention_mask": any(i["name"] == "attention_mask" for i in ins),
+            "inputs": ins,
+            "outputs": [_vi(v) for v in model.graph.output],
+            "attention_pattern": pattern,
+            "op_counts": op_counts,
+            "onnx_checker_error": onnx_checker_result(model),
+            "size_bytes": path.stat().st_size,
+            "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+        }
+    log(f"{name}: {sum(g['size_bytes'] for g in entry['graphs'].values())} bytes, ref {ref_check}, "
+        f"margin {entry['min_margin']:.3f}, {time.time() - t0:.1f}s")
+    return entry
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -551,7 +689,10 @@ def main(argv=None):
         hf_dirs = {f: build_hf_folder(f, work_root / f"hf_{f}")
                    for f in sorted({FIXTURES[n][1] for n in names})}
         for n in names:
-            models[n] = make_fixture(n, hf_dirs, args.out, work_root, args, vers)
+            if FIXTURES[n][0] == "transformers":
+                models[n] = make_pair_fixture(n, hf_dirs, args.out, work_root, vers)
+            else:
+                models[n] = make_fixture(n, hf_dirs, args.out, work_root, args, vers)
     finally:
         if not args.keep_work:
             shutil.rmtree(work_root, ignore_errors=True)
