@@ -18,6 +18,9 @@ loop-carried ``past_key_{l}``/``past_value_{l}`` (BNSH) → ``present_key_{l}``/
 - ``decomposed``: torchlib opset 18 (Reshape/Transpose/Reshape Kᵀ, sqrt(scale)
   on Q and K, Where(bool, 0, -inf) + Add, Softmax, NaN guard) or transformers
   eager/GPT-2 (Transpose, Div, Where(causal, x, min), Add(padding), Softmax).
+- ``gpt2_legacy``: GPT-2 eager with its causal mask sliced from a constant
+  buffer at the key length read from ``Shape(present_key)`` (no
+  ``attention_mask`` needed: ``decoder(..., attention_mask=False)``).
 """
 import math
 
@@ -124,14 +127,17 @@ def hf_bool_mask(g: GB, seq_len_src, past_len):
 
 
 def decoder(block, *, layers=1, vocab=50, hidden=32, hq=4, hkv=2, d=8, opsets=(("", 23),), seed=0,
-            mask_dims=("batch", "total"), position_ids=False, seq_dims=("past", "total"), **kw):
+            mask_dims=("batch", "total"), position_ids=False, seq_dims=("past", "total"), attention_mask=True,
+            **kw):
     """A mini decoder around ``block(g, layer, q3, k3, v3) -> y3`` (3-D [B, S, H*D] tensors).
 
-    ``seq_dims``: dim_param names of the past and present sequence axes."""
+    ``seq_dims``: dim_param names of the past and present sequence axes; ``attention_mask=False``:
+    no such input (only blocks that build their masks from shapes work then)."""
     g = GB(seed)
     g.past_dim, g.total_dim = seq_dims
     g.inp("input_ids", TP.INT64, ["batch", "seq"])
-    g.inp("attention_mask", TP.INT64, list(mask_dims))
+    if attention_mask:
+        g.inp("attention_mask", TP.INT64, list(mask_dims))
     if position_ids:
         g.inp("position_ids", TP.INT64, ["batch", "seq"])
     w = 1.0 / math.sqrt(hidden)
@@ -264,6 +270,33 @@ def decomposed_block(g, layer, q3, k3, v3, *, hq, hkv, d, style="torchlib", tile
         p = g.node("Softmax", [s], axis=-1)
     else:
         raise ValueError(style)
+    return g.from_bnsh(g.node("MatMul", [p, vx]), hq * d)
+
+
+def gpt2_legacy_block(g, layer, q3, k3, v3, *, hq, hkv, d, max_pos=64, padding=None):
+    """GPT-2 as transformers < 4.45 exports it (eager attention): ``Concat(past, k)``, the key length
+    ``T`` read from ``Shape(present_key)`` and the query length ``S`` from the query, the causal mask
+    sliced from a constant lower-triangular buffer ``bias[:, :, T-S:T, :T]``, then ``Where(causal,
+    scores, finfo.min)``; with ``padding`` (the graph has ``attention_mask``) an additive padding mask."""
+    pk, pv, prk, prv = g.past_io(layer, hkv, d)
+    q, k, v = g.to_bnsh(q3, hq, d), g.to_bnsh(k3, hkv, d), g.to_bnsh(v3, hkv, d)
+    g.node("Concat", [pk, k], axis=-2, out=prk)
+    g.node("Concat", [pv, v], axis=-2, out=prv)
+    key_len = g.node("Shape", [prk], start=2, end=3)          # the key length from the present's shape
+    query_len = g.dim(q, 2)
+    if "gpt2_bias" not in g.__dict__:
+        g.gpt2_bias = g.const(np.tril(np.ones((max_pos, max_pos), bool))[None, None], "bias")
+    start = g.node("Sub", [key_len, query_len])
+    causal = g.node("Slice", [g.gpt2_bias, g.node("Concat", [start, g.i64([0])], axis=0),
+                              g.node("Concat", [key_len, key_len], axis=0), g.i64([2, 3])])
+    kx = g.repeat_kv(prk, hkv, hq // hkv, d)
+    vx = g.repeat_kv(prv, hkv, hq // hkv, d)
+    s = g.node("Div", [g.node("MatMul", [q, g.node("Transpose", [kx], perm=[0, 1, 3, 2])]), g.f32(math.sqrt(d))])
+    s = g.node("Where", [causal, s, g.f32(np.finfo(np.float32).min)])
+    if padding:
+        pad = g.node("Unsqueeze", [g.node("Cast", ["attention_mask"], to=TP.BOOL), g.i64([1, 2])])
+        s = g.node("Add", [s, g.node("Where", [pad, g.f32(0.0), g.f32(np.finfo(np.float32).min)])])
+    p = g.node("Softmax", [s], axis=-1)
     return g.from_bnsh(g.node("MatMul", [p, vx]), hq * d)
 
 
