@@ -85,7 +85,7 @@ else:
     __version__ = "0.2.0"
 
     def convert(input_path, output_path, *, keep_present=(), sliding_window=None, cache_input="kv_cache",
-                check=True):
+                check=True, stage=None):
         """Rewrite an exported decoder model to use a ``KVCache`` (``onnx_light_ep.rewrite.convert``,
         imported on first use so that ``import onnx_light_ep`` does not load onnx).
 
@@ -93,16 +93,19 @@ else:
         keep_present: present output names to keep (produced by ``CacheExport``);
         sliding_window: window for attentions whose graph carries none (None = none);
         cache_input: name of the int64 ``[1]`` cache-handle input to add;
-        check: run ``onnx.checker`` on the result.
+        check: run ``onnx.checker`` on the result;
+        stage: ``"prefill"``/``"decode"`` for one graph of a prefill/decode pair (transformers'
+        exporter); a folder holding ``prefill.onnx`` and ``decode.onnx`` as ``input_path``
+        converts both into the folder ``output_path``.
 
-        Returns an ``onnx_light_ep.rewrite.ConvertReport``; raises
+        Returns an ``onnx_light_ep.rewrite.ConvertReport`` (a ``PairReport`` for a folder); raises
         ``onnx_light_ep.rewrite.ConvertError`` when nothing can be converted or an option is
         bad, ``FileNotFoundError`` when ``input_path`` does not exist.
         """
         from .rewrite import convert as _convert
 
         return _convert(input_path, output_path, keep_present=keep_present, sliding_window=sliding_window,
-                        cache_input=cache_input, check=check)
+                        cache_input=cache_input, check=check, stage=stage)
 
     __all__ = [
         "DEFAULT_PAGE_BYTES",

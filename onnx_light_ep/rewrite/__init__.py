@@ -25,7 +25,13 @@ What it does (design: docs/API.md, "Convert an exported model" in README.md):
   a model with nothing to convert raises :class:`ConvertError` naming the
   patterns looked for; the input file is never written;
 - writes the cache geometry and the input roles into ``metadata_props``
-  (keys in ``_metadata``), read back by ``KVCache.for_model``.
+  (keys in ``_metadata``), read back by ``KVCache.for_model``;
+- a graph without ``attention_mask`` that reads the shape of a past or
+  present (the causal mask from the cache position) gets it from the cache:
+  ``ai.onnx_light.CacheShape``;
+- a prefill/decode pair (transformers' exporter: a folder holding
+  ``prefill.onnx`` and ``decode.onnx``) converts into a folder whose two
+  graphs share one cache (``_pair``).
 
 Padding: decomposed/Attention patterns carry padding in their masks, so a
 batch is left-padded as the exporters expect (``onnx_light.padding_side =
@@ -37,5 +43,6 @@ as ORT's GQA kernel requires.
 
 from ._api import ConvertError, ConvertReport, convert
 from ._metadata import read_metadata
+from ._pair import PairReport
 
-__all__ = ["ConvertError", "ConvertReport", "convert", "read_metadata"]
+__all__ = ["ConvertError", "ConvertReport", "PairReport", "convert", "read_metadata"]
