@@ -57,7 +57,9 @@ def generate(model, prompt: Union[str, Sequence[str], None] = None, *,
 
     Args:
         model: path of the converted model (an unconverted export is converted
-            into a temporary file first).
+            into a temporary file first), or a prefill/decode pair (a folder
+            holding ``prefill.onnx`` and ``decode.onnx``, or the two paths): step
+            0 runs the prefill graph, later steps the decode graph, one cache.
         prompt: text or list of texts (one row each); or ``prompt_ids``.
         chat: wrap each text prompt in the tokenizer's chat template as one user turn.
         max_new_tokens: upper bound on generated tokens per row (>= 1).

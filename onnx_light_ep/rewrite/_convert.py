@@ -32,7 +32,6 @@ import copy
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
-import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
@@ -41,6 +40,7 @@ from ._decomposed import match_decomposed
 from ._gqa import match_gqa
 from ._graph import FLOAT_TYPES, GraphEditor
 from ._plan import DOMAIN, MS_DOMAIN, LayerPlan, Refusal, const_i64, dim_of
+from ._shapes import Shapes, substitute_chain_shapes, substitute_shape
 
 
 @dataclass
@@ -137,90 +137,6 @@ def io_names(ed: GraphEditor) -> Dict[str, Optional[str]]:
                 names["input_ids"] = i.name
                 break
     return names
-
-
-class _Shapes:
-    """Builds the shapes ``[B, Hkv, P, D]`` (a past) and ``[B, Hkv, P+S, D]`` (a present) of a layer.
-
-    With an ``attention_mask`` input: from its width ``P + S`` and the new length ``S``
-    (``input_ids``/``inputs_embeds``/``position_ids`` dim 1), once per geometry, the meaning the
-    mask keeps after conversion. Without one: from the cache itself,
-    ``ai.onnx_light.CacheShape(cache, layer)`` (``P`` = the longest sequence's committed length),
-    plus ``S`` on axis 2 for a present. :meth:`available` is False only when neither source exists
-    (no input gives ``S``).
-    """
-
-    def __init__(self, ed: GraphEditor, names: Dict[str, Optional[str]], cache_input: str):
-        self.ed, self.names, self.cache_input, self.cache = ed, names, cache_input, {}
-        self.cache_shapes = False  # a CacheShape node was written
-
-    def _seq_src(self) -> Optional[str]:
-        n = self.names
-        return n["input_ids"] or n["inputs_embeds"] or n["position_ids"]
-
-    def from_mask(self) -> bool:
-        return bool(self.names["attention_mask"]) and bool(self._seq_src())
-
-    def available(self) -> bool:
-        return bool(self._seq_src())
-
-    def get(self, kind: str, hkv: int, d: int, layer: int, value: bool) -> str:
-        """int64 ``[4]``: the shape of layer ``layer``'s past (``kind="past"``) or present key
-        (``value=False``, last dim ``d`` = head_dim) or value (``value=True``, ``d`` = v_head_dim)."""
-        if self.from_mask():
-            return self._from_mask(kind, hkv, d)
-        key = (kind, layer, value)
-        if key in self.cache:
-            return self.cache[key]
-        ed = self.ed
-        self.cache_shapes = True
-        vec = ed.add_node1("CacheShape", [self.cache_input], hint=f"shape/layer{layer}_{'v' if value else 'k'}_past",
-                           domain=DOMAIN, layer=layer, value=int(value))
-        if kind == "present":
-            s = dim_of(ed, self._seq_src(), 1, "shape/new")
-            zero = const_i64(ed, [0], "shape/zero")
-            step = ed.add_node1("Concat", [zero, zero, s, zero], hint="shape/new_rows", axis=0)
-            vec = ed.add_node1("Add", [vec, step], hint=f"shape/layer{layer}_{'v' if value else 'k'}_present")
-        self.cache[key] = vec
-        return vec
-
-    def _from_mask(self, kind: str, hkv: int, d: int) -> str:
-        key = (kind, hkv, d)
-        if key in self.cache:
-            return self.cache[key]
-        ed, n = self.ed, self.names
-        mask = n["attention_mask"]
-        seq_src = self._seq_src()
-        b = dim_of(ed, mask, 0, "shape/batch")
-        total = dim_of(ed, mask, 1, "shape/total")
-        length = total
-        if kind == "past":
-            s = dim_of(ed, seq_src, 1, "shape/new")
-            length = ed.add_node1("Sub", [total, s], hint="shape/past")
-        vec = ed.add_node1("Concat", [b, const_i64(ed, [hkv], "shape/hkv"), length, const_i64(ed, [d], "shape/d")],
-                           hint=f"shape/{kind}_{hkv}x{d}", axis=0)
-        self.cache[key] = vec
-        return vec
-
-
-def _substitute_shape(ed: GraphEditor, node: onnx.NodeProto, vec: str) -> None:
-    start = next((a.i for a in node.attribute if a.name == "start"), 0)
-    end = next((a.i for a in node.attribute if a.name == "end"), None)
-    idx = list(range(4))[slice(start, end)]
-    sliced = vec
-    if idx != [0, 1, 2, 3]:
-        if not idx:
-            sliced = ed.add_const(np.zeros(0, dtype=np.int64), "shape/empty")
-        else:
-            sliced = ed.add_node1("Slice", [vec, const_i64(ed, [idx[0]], "shape/s"),
-                                            const_i64(ed, [idx[-1] + 1], "shape/e")], hint="shape/slice")
-    ed.replace_uses(node.output[0], sliced)
-    for k, o in enumerate(ed.output_names):
-        if o == node.output[0]:  # a shape that is a graph output keeps its name
-            ident = helper.make_node("Identity", [sliced], [o], name=ed.new_name("shape/out"))
-            node.output[0] = ed.new_name("shape/dead")
-            ed.graph.node.append(ident)
-    ed.refresh()
 
 
 def attempt(original: onnx.ModelProto, base_dir: Optional[str], excluded: Dict[str, Refusal],
@@ -327,15 +243,15 @@ def attempt(original: onnx.ModelProto, base_dir: Optional[str], excluded: Dict[s
                     a.i = layer
         res.plans = plans
 
-    shapes = _Shapes(ed, res.io_names, cache_input)
+    shapes = Shapes(ed, res.io_names, cache_input)
     for layer, p in enumerate(plans):
         for present, d, value in ((p.present_key, p.head_dim, False), (p.present_value, p.v_head_dim, True)):
             for alias in _aliases(ed, present):
                 for c in ed.consumers(alias):
                     if c.op_type == "Shape" and c.domain in ("", "ai.onnx") and shapes.available():
-                        _substitute_shape(ed, c, shapes.get("present", p.kv_num_heads, d, layer, value))
+                        substitute_shape(ed, c, shapes.get("present", p.kv_num_heads, d, layer, value))
         if shapes.available():
-            _substitute_chain_shapes(ed, p, layer, shapes)
+            substitute_chain_shapes(ed, p, layer, shapes)
     ed.eliminate_dead()
     for layer, p in enumerate(plans):
         ca = ed.producer(cas[layer])
@@ -368,7 +284,7 @@ def attempt(original: onnx.ModelProto, base_dir: Optional[str], excluded: Dict[s
                                 f"Shape of past {past!r} is used but the graph has no input giving the new length "
                                 f"(input_ids/inputs_embeds/position_ids)")))
                             continue
-                        _substitute_shape(ed, c, shapes.get("past", p.kv_num_heads, d, layer, value))
+                        substitute_shape(ed, c, shapes.get("past", p.kv_num_heads, d, layer, value))
     ed.eliminate_dead()
     if res.new_refusals:
         return res
@@ -412,46 +328,6 @@ def _add_commit(ed: GraphEditor, cache_input: str) -> str:
     ed.graph.output.append(helper.make_tensor_value_info(name, TensorProto.INT64, ["batch"]))
     ed.refresh()
     return name
-
-
-def _substitute_chain_shapes(ed: GraphEditor, p: LayerPlan, layer: int, shapes: "_Shapes") -> None:
-    """``Shape`` of a layout view of a present (e.g. the GQA-expanded K whose length sizes the mask),
-    rebuilt from the present's computed shape when every dimension is a constant or a present dimension.
-
-    K and V views share the batch and sequence dims; head counts and sizes are constants.
-    """
-    pdims = ed.dims(p.present_key)
-    if pdims is None:
-        return
-    for t in p.chain_tensors:
-        dims = ed.dims(t)
-        if dims is None:
-            continue
-        for c in ed.consumers(t):
-            if c.op_type != "Shape" or c.domain not in ("", "ai.onnx"):
-                continue
-            rank = len(dims)
-            start = next((a.i for a in c.attribute if a.name == "start"), 0)
-            end = next((a.i for a in c.attribute if a.name == "end"), rank)
-            idx = list(range(rank))[slice(start, end)]
-            parts = []
-            for k in idx:
-                e = dims[k]
-                if isinstance(e, int):
-                    parts.append(const_i64(ed, [e], "shape/view_dim"))
-                elif e is not None and e in pdims:
-                    j = pdims.index(e)
-                    vec = shapes.get("present", p.kv_num_heads, p.head_dim, layer, False)
-                    parts.append(ed.add_node1("Slice", [vec, const_i64(ed, [j], "shape/s"),
-                                                        const_i64(ed, [j + 1], "shape/e")], hint="shape/view"))
-                else:
-                    parts = None
-                    break
-            if not parts:
-                continue
-            vec = ed.add_node1("Concat", parts, hint="shape/view_shape", axis=0) if len(parts) > 1 else parts[0]
-            ed.replace_uses(c.output[0], vec)
-            ed.refresh()
 
 
 def _pin_shape(ed: GraphEditor, res: "Attempt", y: str, query: str, p: LayerPlan) -> str:
