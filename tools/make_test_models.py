@@ -135,6 +135,7 @@ FIXTURES = {
     "transformers_llama": ("transformers", "llama", {}),
     "transformers_llama_mask": ("transformers", "llama", {"padded": True}),
     "transformers_gpt2": ("transformers", "gpt2", {}),
+    "transformers_llama_op23": ("transformers", "llama", {"opset": 23}),  # ONNX Attention
 }
 
 TOKENIZER_TEXT = [
@@ -272,7 +273,7 @@ def export_dynamo(hf_dir, work, opset):
                              "-> (logits, *present)"}
 
 
-def export_transformers(hf_dir, work, padded=False):
+def export_transformers(hf_dir, work, padded=False, opset=None):
     """transformers.exporters.OnnxExporter().export_for_generation on a batch-2 sample of 8 tokens
     (a batch of 1 would fix the batch axis to 1). Returns the folder holding prefill.onnx and
     decode.onnx (weights in *.onnx.data files, inlined by finalize_pair)."""
@@ -286,10 +287,10 @@ def export_transformers(hf_dir, work, padded=False):
     if padded:
         mask[1, :3] = 0  # left padding, as generate pads a batch
     out = work / "out"
-    log(f"transformers OnnxExporter().export_for_generation({hf_dir.name}, padded={padded})")
+    log(f"transformers OnnxExporter().export_for_generation({hf_dir.name}, padded={padded}, opset={opset})")
     with torch.no_grad():
         exported = OnnxExporter().export_for_generation(model, {"input_ids": ids, "attention_mask": mask},
-                                                        OnnxConfig(dynamic=True))
+                                                        OnnxConfig(dynamic=True, opset_version=opset))
     exported.save_pretrained(str(out))
     return out, {"export_json": json.loads((out / "export.json").read_text())["components"]["decode"][
         "metadata"]["export_config"]}
@@ -602,7 +603,7 @@ def make_pair_fixture(name, hf_dirs, out_dir, work_root, vers):
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     t0 = time.time()
-    raw, extra = export_transformers(hf_dir, work, padded=opts.get("padded", False))
+    raw, extra = export_transformers(hf_dir, work, padded=opts.get("padded", False), opset=opts.get("opset"))
     folder = out_dir / name
     shutil.rmtree(folder, ignore_errors=True)
     graphs = {}

@@ -40,9 +40,12 @@ from typing import Optional, Union
 import onnx
 
 from ._graph import GraphEditor, attr
-from ._kvpath import reads_past_concat, resolve_identity, trace_kv
+from ._kvpath import reads_past_concat, resolve_identity, starts_cache_reason, trace_kv
 from ._plan import (LayerPlan, Operands, Refusal, anchor_name, causal_mask, combine_masks, const_i64,
                     dim_of, total_length)
+
+
+PATTERN_NO_PAST = "stateless Attention (no past)"
 
 
 def _inp(node, i):
@@ -102,21 +105,29 @@ def match_attention(ed: GraphEditor, node: onnx.NodeProto) -> Union[LayerPlan, R
         return _with_past(ed, node, pattern, refuse, rank, elem_type, base_attrs, left)
     if pattern == "TensorScatter+Attention":
         return _tensor_scatter(ed, node, refuse, rank, elem_type, base_attrs, left)
-    # Concat(past, new) -> [expansion] -> Attention
+    # Concat(past, new) -> [expansion] -> Attention; or, in a graph that starts the cache, the new
+    # rows themselves (graph outputs the decode graph takes back) -> [expansion] -> Attention
     if rank != 4:
         return None
-    tk, tv = trace_kv(ed, K), trace_kv(ed, V)
+    tk, tv = trace_kv(ed, K, present_only=True), trace_kv(ed, V, present_only=True)
     if isinstance(tk, str) and isinstance(tv, str):
         if reads_past_concat(ed, K) or reads_past_concat(ed, V):
             return refuse(tk if reads_past_concat(ed, K) else tv)
         return None  # a stateless attention (no cache): not ours
+    if not isinstance(tk, str) and tk.past is None:
+        pattern = PATTERN_NO_PAST
     if isinstance(tk, str) or isinstance(tv, str):
         return refuse(tk if isinstance(tk, str) else tv)
+    if (tk.past is None) != (tv.past is None):
+        return refuse("one of K and V comes from a past input, the other does not")
+    why = starts_cache_reason(ed, tk, Q) or starts_cache_reason(ed, tv, Q)
+    if why:
+        return refuse(why)
     if tk.swapped or tv.swapped:
         return refuse("K/V reach Attention with the last two axes swapped")
     if tv.factor != 1.0:
         return refuse(f"V is scaled by {tv.factor} on its way to Attention")
-    if tk.n_rep != tv.n_rep or tk.past == tv.past:
+    if tk.n_rep != tv.n_rep or tk.present == tv.present:
         return refuse("K and V paths disagree (head expansion or past input)")
     pkd, pvd = ed.dims(tk.present), ed.dims(tv.present)
     hq = qd[1] if isinstance(qd[1], int) else None
@@ -131,6 +142,14 @@ def match_attention(ed: GraphEditor, node: onnx.NodeProto) -> Union[LayerPlan, R
     notes = []
     if tk.n_rep > 1:
         notes.append(f"GQA head expansion x{tk.n_rep} (repeat-interleave) dropped; CacheAttention maps heads itself")
+    if tk.past is None:
+        # no past: Q and K have the same length, so upper-left causal equals bottom-right (P = 0)
+        attrs["is_causal"] = is_causal
+        if is_causal and left >= 0:
+            attrs["local_window_size"] = left + 1
+        notes.append("no past input: a graph that starts the cache, converted with P = 0 (run it on an empty "
+                     "cache, as the original runs without a past)")
+        is_causal = 0
     if is_causal:
         if "attention_mask" not in ed.input_names:
             return refuse("is_causal=1 on concatenated keys is upper-left (offset 0, CASES C04); keeping it as a "

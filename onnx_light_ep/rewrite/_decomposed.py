@@ -42,7 +42,7 @@ from typing import List, Optional, Tuple, Union
 import onnx
 
 from ._graph import GraphEditor, attr
-from ._kvpath import reads_past_concat, trace_kv
+from ._kvpath import reads_past_concat, starts_cache_reason, trace_kv
 from ._plan import LayerPlan, Operands, Refusal, anchor_name, combine_masks
 
 PATTERN = "Concat+decomposed"
@@ -263,6 +263,10 @@ def match_decomposed(ed: GraphEditor, softmax: onnx.NodeProto,
         return refuse(tv)
     if (tk.past is None) != (tv.past is None):
         return refuse("one of K and V comes from a past input, the other does not")
+    q_in, _ = _query_backward(ed, qk.input[0])
+    why = starts_cache_reason(ed, tk, q_in) or starts_cache_reason(ed, tv, q_in)
+    if why:
+        return refuse(why)
     if not tk.swapped:
         return refuse("K reaches MatMul(Q, K) without being transposed")
     if tv.swapped:

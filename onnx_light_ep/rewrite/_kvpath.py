@@ -35,7 +35,7 @@ from typing import List, Optional, Tuple, Union
 
 import onnx
 
-from ._graph import GraphEditor, attr
+from ._graph import FLOAT_TYPES, GraphEditor, attr
 
 _PASS_OPS = {"Identity", "Cast", "Reshape", "Transpose", "Unsqueeze", "Expand", "Mul", "Div"}
 
@@ -251,6 +251,38 @@ def trace_kv(ed: GraphEditor, name: str, present_only: bool = False) -> Union[KV
         n *= repeat_sizes[lab]
     tr.n_rep = n
     return tr
+
+
+def starts_cache_reason(ed: GraphEditor, tr: KVTrace, query: str) -> Optional[str]:
+    """Why a trace without past (``present_only``) is not the new rows of a graph that starts the
+    cache, or None when it is: the present must have the query's sequence length (S new rows; a
+    fixed-size buffer such as a static cache's has its capacity instead) and be computed without
+    any floating-point graph input (a past or a cache buffer written in place, e.g. by ScatterND)."""
+    if tr.past is not None:
+        return None
+    pasts = set()
+    stack, seen = [tr.present], set()
+    while stack:
+        t = stack.pop()
+        if t in seen:
+            continue
+        seen.add(t)
+        if ed.is_graph_input(t) and ed.elem_type(t) in FLOAT_TYPES:
+            pasts.add(t)
+        p = ed.producer(t)
+        if p is not None:
+            stack.extend(x for x in p.input if x)
+    if pasts:
+        return (f"K/V come from the graph output {tr.present!r}, computed from the input(s) {sorted(pasts)} but not "
+                f"by Concat(past, new): a cache written in place (e.g. ScatterND into a static buffer) is not "
+                f"supported")
+    pd, qd = ed.dims(tr.present), ed.dims(query)
+    s_p = pd[2] if pd and len(pd) == 4 else None
+    s_q = qd[2] if qd and len(qd) == 4 else None
+    if s_p is None or s_q is None or s_p != s_q:
+        return (f"K/V come from the graph output {tr.present!r} of length {s_p} for {s_q} new tokens, not from "
+                f"Concat(past, new): a fixed-size (static) cache buffer is not supported")
+    return None
 
 
 def _expand_dims(ed: GraphEditor, node, cur_dims, axes, repeat_sizes):

@@ -7,6 +7,8 @@ and matches plain ORT on the original pair.
   the converted graphs read from the cache (CacheShape). Batch 2 means rows of equal length.
 - transformers_llama_mask: exported from a left-padded batch, so the graphs take attention_mask;
   batch 2 is left-padded.
+- transformers_llama_op23: exported at opset 23, where attention is ONNX Attention (stateless, over
+  the new rows in the prefill graph, over Concat(past, new) in the decode graph); no attention_mask.
 
 fp32 tolerance: compare's DEFAULT_TOL["float32"], |dlogits| <= 1e-4 + 1e-5 * |logit| at every real
 position, and equal argmax (ties excepted), over a prefill and 16 greedy steps.
@@ -27,7 +29,9 @@ from onnx_light_ep.rewrite import convert, read_metadata
 DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
 ROOT = os.path.dirname(os.path.dirname(DATA))
 MANIFEST = json.load(open(os.path.join(DATA, "manifest.json")))["models"]
-PAIRS = ["transformers_llama", "transformers_llama_mask", "transformers_gpt2"]
+PAIRS = ["transformers_llama", "transformers_llama_mask", "transformers_gpt2", "transformers_llama_op23"]
+PATTERNS = {"prefill": "decomposed (no past)", "decode": "Concat+decomposed"}
+PATTERNS_OP23 = {"prefill": "stateless Attention (no past)", "decode": "Concat+Attention"}
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +61,8 @@ def test_the_pair_converts_every_layer(converted, name):
         g = _graph(r.output_path)
         assert not [i.name for i in g.input if ".cache." in i.name], stage    # no past left
         assert not [o.name for o in g.output if ".cache." in o.name], stage   # no present left
-    assert report.prefill.patterns == ["decomposed (no past)"] and report.decode.patterns == ["Concat+decomposed"]
+    want = PATTERNS_OP23 if name.endswith("_op23") else PATTERNS
+    assert report.prefill.patterns == [want["prefill"]] and report.decode.patterns == [want["decode"]]
     assert len(report.decode.removed_inputs) == 4 and len(report.prefill.removed_outputs) == 4
     has_mask = entry["graphs"]["decode"]["has_attention_mask"]
     assert has_mask == (name == "transformers_llama_mask")
