@@ -173,7 +173,10 @@ def convert(input_path, output_path, *, keep_present: Sequence[str] = (), slidin
     dst = os.fspath(output_path)
     if stage not in (None, "prefill", "decode"):
         raise ConvertError(f"convert: stage; expected None, 'prefill' or 'decode', got {stage!r}")
-    if os.path.isdir(src) and stage is None:
+    if os.path.isdir(src) and stage is not None:
+        raise ConvertError(f"convert: stage; expected None for the folder {src!r} (a folder converts as a "
+                           f"prefill/decode pair, both stages), got {stage!r} (stage names the role of one graph file)")
+    if os.path.isdir(src):
         from ._pair import convert_pair
 
         return convert_pair(src, dst, keep_present=keep_present, sliding_window=sliding_window,
