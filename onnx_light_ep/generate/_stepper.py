@@ -44,6 +44,10 @@ class CacheStepper:
             raise ValueError(f"{where}: the model still carries past/present tensors {pairs[0]} outside the cache "
                              f"(onnx_light.tensor_pairs: a layer convert left as it was, see its report); expected a "
                              f"model whose every past lives in the cache")
+        if meta.get("stage") == "prefill":
+            raise ValueError(f"{where}: model; the prefill graph of a prefill/decode pair, and this loop runs every "
+                             f"step on one graph: expected a one-graph model (generate's greedy/sampled loop runs "
+                             f"pairs)")
         check_inputs(session, ["input_ids", "attention_mask", "position_ids", "seqlens_k", "total_sequence_length",
                                meta["cache_input"]], where)
         self.session, self.meta, self.where = session, meta, where

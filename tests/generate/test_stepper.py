@@ -81,3 +81,13 @@ def test_stepper_refuses_a_model_with_tensor_pasts(mini_decoder):
     sess = InferenceSession(dst, H.so())
     with pytest.raises(ValueError, match=r"past/present tensors \('past_key_1', 'present_key_1'\) outside the cache"):
         CacheStepper(sess, meta)
+
+
+def test_stepper_refuses_the_prefill_graph_of_a_pair(mini_decoder):
+    """Beam search, speculative decoding, prefix caching and chat run every step on one graph: the
+    prefill graph of a prefill/decode pair (onnx_light.stage = prefill) is refused by name."""
+    _, dst = mini_decoder()
+    sess = InferenceSession(dst, H.so())
+    meta = dict(read_metadata(dst), stage="prefill")
+    with pytest.raises(ValueError, match="the prefill graph of a prefill/decode pair"):
+        CacheStepper(sess, meta)
