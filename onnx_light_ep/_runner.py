@@ -151,7 +151,8 @@ class PastFeeds:
 
     def __init__(self, session, pairs: Sequence[Tuple[str, str]], batch_size: int, head_dim: int,
                  v_head_dim: int, capacity: Optional[Dict[str, int]] = None):
-        self.pairs = [(p, q) for p, q in pairs if p and q]
+        # a stacked past (key and value in one [2, B, H, P, D] tensor) is named by both of its layer's pairs
+        self.pairs = list(dict.fromkeys((p, q) for p, q in pairs if p and q))
         info = {i.name: i for i in session.get_inputs()}
         self.values: Dict[str, np.ndarray] = {}
         for past, _ in self.pairs:
@@ -160,12 +161,15 @@ class PastFeeds:
                                  f"model's metadata; expected the model the conversion started from")
             # transformers' exporter names static dims symbolically ('2', '16'): read those as ints
             shape = [int(x) if isinstance(x, str) and x.isdigit() else x for x in info[past].shape]
-            if len(shape) != 4 or not isinstance(shape[1], int):
-                raise ValueError(f"compare: past input {past!r} has shape {shape}; expected BNSH with static heads")
-            d = shape[3] if isinstance(shape[3], int) else (v_head_dim if "value" in past else head_dim)
+            stacked = len(shape) == 5 and shape[0] == 2
+            bnsh = shape[1:] if stacked else shape
+            if len(bnsh) != 4 or not isinstance(bnsh[1], int):
+                raise ValueError(f"compare: past input {past!r} has shape {shape}; expected BNSH with static heads "
+                                 f"(or [2, B, H, P, D], key and value stacked)")
+            d = bnsh[3] if isinstance(bnsh[3], int) else (v_head_dim if "value" in past else head_dim)
             cap = int((capacity or {}).get(past, 0))
-            self.values[past] = np.zeros((batch_size, shape[1], cap, d), dtype=_ORT_FLOAT.get(info[past].type,
-                                                                                           np.float32))
+            self.values[past] = np.zeros(((2,) if stacked else ()) + (batch_size, bnsh[1], cap, d),
+                                         dtype=_ORT_FLOAT.get(info[past].type, np.float32))
 
     def update(self, outputs: Dict[str, np.ndarray], pairs: Optional[Sequence[Tuple[str, str]]] = None) -> int:
         """Take the presents from a run's outputs; returns their bytes (what plain ORT copied out).

@@ -25,7 +25,9 @@ _LOOKED_FOR = (
     "ONNX Attention (opset 23+) with past_key/past_value or present outputs; "
     "Concat(past, new) feeding a stateless ONNX Attention; "
     "TensorScatter(past, new) feeding Attention(nonpad_kv_seqlen); "
-    "Concat(past, new) feeding MatMul/scale/mask/Softmax/MatMul"
+    "Concat(past, new) feeding MatMul/scale/mask/Softmax/MatMul; "
+    "com.microsoft.MultiHeadAttention with past_key/past_value; "
+    "com.microsoft.Attention with past [2, B, N, P, D]"
 )
 
 

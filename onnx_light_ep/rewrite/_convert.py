@@ -38,8 +38,9 @@ from onnx import TensorProto, helper
 from ._attention import match_attention
 from ._decomposed import match_decomposed
 from ._gqa import match_gqa
+from ._mha import match_mha, match_ms_attention
 from ._graph import FLOAT_TYPES, GraphEditor
-from ._plan import DOMAIN, MS_DOMAIN, LayerPlan, Refusal, const_i64, dim_of
+from ._plan import DOMAIN, MS_DOMAIN, LayerPlan, Refusal, const_i64, dim_of, unsqueeze
 from ._shapes import Shapes, substitute_chain_shapes, substitute_shape
 
 
@@ -68,7 +69,7 @@ def find_plans(ed: GraphEditor, sliding_window: Optional[int],
     """
     plans, refusals, found = [], [], []
     for node in list(ed.graph.node):
-        r = match_gqa(ed, node) or match_attention(ed, node)
+        r = match_gqa(ed, node) or match_attention(ed, node) or match_mha(ed, node) or match_ms_attention(ed, node)
         if isinstance(r, LayerPlan) and sliding_window is not None:
             # The decomposed matcher applies the option itself; the others get it here.
             had = int(r.attrs.get("local_window_size", -1))
@@ -153,7 +154,7 @@ def attempt(original: onnx.ModelProto, base_dir: Optional[str], excluded: Dict[s
     # Two attentions sharing one past cannot both own it.
     owners: Dict[str, List[LayerPlan]] = {}
     for p in plans:
-        for x in (p.past_key, p.past_value):
+        for x in {p.past_key, p.past_value}:  # one name twice for a stacked past
             if x:
                 owners.setdefault(x, []).append(p)
     for x, ps in owners.items():
@@ -249,7 +250,8 @@ def attempt(original: onnx.ModelProto, base_dir: Optional[str], excluded: Dict[s
             for alias in _aliases(ed, present):
                 for c in ed.consumers(alias):
                     if c.op_type == "Shape" and c.domain in ("", "ai.onnx") and shapes.available():
-                        substitute_shape(ed, c, shapes.get("present", p.kv_num_heads, d, layer, value))
+                        substitute_shape(ed, c, shapes.get("present", p.kv_num_heads, d, layer, value, p.past_stacked),
+                                         5 if p.past_stacked else 4)
         if shapes.available():
             substitute_chain_shapes(ed, p, layer, shapes)
     ed.eliminate_dead()
@@ -284,7 +286,8 @@ def attempt(original: onnx.ModelProto, base_dir: Optional[str], excluded: Dict[s
                                 f"Shape of past {past!r} is used but the graph has no input giving the new length "
                                 f"(input_ids/inputs_embeds/position_ids)")))
                             continue
-                        substitute_shape(ed, c, shapes.get("past", p.kv_num_heads, d, layer, value))
+                        substitute_shape(ed, c, shapes.get("past", p.kv_num_heads, d, layer, value, p.past_stacked),
+                                         5 if p.past_stacked else 4)
     ed.eliminate_dead()
     if res.new_refusals:
         return res
@@ -385,10 +388,11 @@ def _export(ed: GraphEditor, p: LayerPlan, layer: int, y: str, cache_input: str,
     """Make ``CacheExport`` produce the present tensors under their own names.
 
     A present that is the new rows themselves (a graph that starts the cache) keeps feeding its
-    ``CacheAttention`` under a new name; every other reader gets the exported present.
+    ``CacheAttention`` under a new name; every other reader gets the exported present. A stacked
+    present (``[2, B, H, T, D]``, com.microsoft.Attention) is ``Concat(Unsqueeze(key, 0), Unsqueeze(value, 0))``.
     """
     names = []
-    for present in (p.present_key, p.present_value):
+    for present in dict.fromkeys((p.present_key, p.present_value)):
         prod = ed.producer(present)
         if prod is not None:
             fresh = ed.new_name("dead_present")
@@ -397,9 +401,17 @@ def _export(ed: GraphEditor, p: LayerPlan, layer: int, y: str, cache_input: str,
                 ed.replace_uses(present, fresh, [ca])
             prod.output[list(prod.output).index(present)] = fresh
         names.append(present)
-    node = helper.make_node("CacheExport", [cache_input, y], names, name=ed.new_name(f"layer{layer}/cache_export"),
+    if p.past_stacked:
+        kv = [ed.new_name(f"layer{layer}/export_key"), ed.new_name(f"layer{layer}/export_value")]
+    else:
+        kv = names
+    node = helper.make_node("CacheExport", [cache_input, y], kv, name=ed.new_name(f"layer{layer}/cache_export"),
                             domain=DOMAIN, layer=layer)
     ed.graph.node.append(node)
+    if p.past_stacked:
+        parts = [unsqueeze(ed, t, [0], f"layer{layer}/export_stack") for t in kv]
+        ed.graph.node.append(helper.make_node("Concat", parts, names, name=ed.new_name(f"layer{layer}/export_present"),
+                                              axis=0))
     ed.refresh()
 
 

@@ -1,6 +1,6 @@
 """What a matcher hands to the converter, and small in-graph builders.
 
-A matcher (``_gqa``, ``_attention``, ``_decomposed``) looks at one attention
+A matcher (``_gqa``, ``_attention``, ``_decomposed``, ``_mha``) looks at one attention
 and returns either a :class:`LayerPlan` (how to replace it with one
 ``ai.onnx_light.CacheAttention``) or a :class:`Refusal` (why it stays as it
 is). Plans do not touch the graph until :meth:`LayerPlan.build` is called.
@@ -58,6 +58,10 @@ class LayerPlan:
             they are fixed-size (GroupQueryAttention ``sliding_window_cache=1``:
             window-sized buffers, oldest rows overwritten), else None (past =
             every earlier position). Recorded so ``compare`` can drive the original.
+        past_stacked: the past is one ``[2, B, Hkv, P, D]`` input holding key (index 0) and
+            value (index 1), and the present one ``[2, B, Hkv, T, D]`` output
+            (``com.microsoft.Attention``); ``past_key == past_value`` and
+            ``present_key == present_value`` name them.
     """
 
     pattern: str
@@ -79,6 +83,7 @@ class LayerPlan:
     needs_ms_domain: bool = False
     chain_tensors: List[str] = field(default_factory=list)
     past_capacity: Optional[int] = None
+    past_stacked: bool = False
 
     @property
     def anchor_name(self) -> str:
@@ -107,12 +112,23 @@ def const_i64(ed: GraphEditor, values, hint: str = "const") -> str:
 
 
 def dim_of(ed: GraphEditor, x: str, axis: int, hint: str) -> str:
-    """int64 ``[1]``: ``Shape(x)[axis]``."""
+    """int64 ``[1]``: ``Shape(x)[axis]`` (``Shape`` start/end from opset 15, else ``Shape`` + ``Slice``)."""
     end = axis + 1 if axis != -1 else None
+    if ed.opset() < 15:
+        shape = ed.add_node1("Shape", [x], hint=f"{hint}/shape")
+        ends = const_i64(ed, [end if end is not None else np.iinfo(np.int64).max], f"{hint}/end")
+        return ed.add_node1("Slice", [shape, const_i64(ed, [axis], f"{hint}/start"), ends], hint=hint)
     kw = {"start": axis}
     if end is not None:
         kw["end"] = end
     return ed.add_node1("Shape", [x], hint=hint, **kw)
+
+
+def unsqueeze(ed: GraphEditor, x: str, axes: List[int], hint: str) -> str:
+    """``Unsqueeze(x, axes)``: axes as an input from opset 13, as an attribute before."""
+    if ed.opset() >= 13:
+        return ed.add_node1("Unsqueeze", [x, const_i64(ed, axes, f"{hint}/axes")], hint=hint)
+    return ed.add_node1("Unsqueeze", [x], hint=hint, axes=list(axes))
 
 
 def total_length(ed: GraphEditor) -> Optional[str]:

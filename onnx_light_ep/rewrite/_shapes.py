@@ -49,9 +49,17 @@ class Shapes:
     def available(self) -> bool:
         return bool(self._seq_src())
 
-    def get(self, kind: str, hkv: int, d: int, layer: int, value: bool) -> str:
+    def get(self, kind: str, hkv: int, d: int, layer: int, value: bool, stacked: bool = False) -> str:
         """int64 ``[4]``: the shape of layer ``layer``'s past (``kind="past"``) or present key
-        (``value=False``, last dim ``d`` = head_dim) or value (``value=True``, ``d`` = v_head_dim)."""
+        (``value=False``, last dim ``d`` = head_dim) or value (``value=True``, ``d`` = v_head_dim);
+        ``[5]`` ``[2, B, Hkv, P|T, D]`` for a ``stacked`` key/value tensor (com.microsoft.Attention)."""
+        if stacked:
+            key = ("stacked", kind, hkv, d, layer)
+            if key not in self.cache:
+                self.cache[key] = self.ed.add_node1(
+                    "Concat", [const_i64(self.ed, [2], "shape/kv"), self.get(kind, hkv, d, layer, value)],
+                    hint=f"shape/{kind}_stacked", axis=0)
+            return self.cache[key]
         if self.from_mask():
             return self._from_mask(kind, hkv, d)
         key = (kind, layer, value)
@@ -88,12 +96,13 @@ class Shapes:
         return vec
 
 
-def substitute_shape(ed: GraphEditor, node: onnx.NodeProto, vec: str) -> None:
+def substitute_shape(ed: GraphEditor, node: onnx.NodeProto, vec: str, rank: int = 4) -> None:
+    """Point the readers of ``Shape`` node ``node`` at ``vec`` (int64 ``[rank]``), sliced by its start/end."""
     start = next((a.i for a in node.attribute if a.name == "start"), 0)
     end = next((a.i for a in node.attribute if a.name == "end"), None)
-    idx = list(range(4))[slice(start, end)]
+    idx = list(range(rank))[slice(start, end)]
     sliced = vec
-    if idx != [0, 1, 2, 3]:
+    if idx != list(range(rank)):
         if not idx:
             sliced = ed.add_const(np.zeros(0, dtype=np.int64), "shape/empty")
         else:

@@ -286,7 +286,31 @@ class ValueMixin:
                 return None
         if op in ("Add", "Mul", "Sub", "Div", "Identity", "Cast") and node.input:
             return self.dims(node.input[0]) if op in ("Identity", "Cast") else self._broadcast(node)
+        if node.domain == "com.microsoft" and node.output[0] == name:
+            return self._contrib_attention_dims(node)
         return None
+
+    def _contrib_attention_dims(self, node: onnx.NodeProto) -> Optional[List[Dim]]:
+        """Output 0 of the 3-D contrib attentions: ``[B, S, v_hidden]`` (ORT's contrib operator doc)."""
+        q = self.dims(node.input[0]) if node.input else None
+        if q is None or len(q) != 3:
+            return None
+        op, ins = node.op_type, list(node.input) + [""] * 3
+        hidden: Dim = None
+        if op == "MultiHeadAttention" and ins[2]:
+            v = self.dims(ins[2])
+            hidden = v[-1] if v is not None and len(v) == 3 else None
+        elif op == "Attention":
+            sizes = attr(node, "qkv_hidden_sizes")
+            w = self.dims(ins[1])
+            hidden = int(sizes[2]) if sizes else (w[1] // 3 if w and len(w) == 2 and isinstance(w[1], int) else None)
+        elif op == "GroupQueryAttention":
+            n, nkv = attr(node, "num_heads"), attr(node, "kv_num_heads")
+            if n and nkv and isinstance(q[2], int):
+                hidden = q[2] // (n + 2 * nkv) * n if not ins[1] else q[2]
+        else:
+            return None
+        return [q[0], q[1], hidden]
 
     def _broadcast(self, node: onnx.NodeProto) -> Optional[List[Dim]]:
         shapes = [self.dims(x) for x in node.input if x]
