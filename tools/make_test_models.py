@@ -16,6 +16,14 @@ exporters people really use:
 * ``transformers`` -- transformers' own exporter (``transformers.exporters.OnnxExporter``,
                  ``export_for_generation``): a prefill/decode pair, written as the folder
                  ``tests/data/NAME/`` holding ``prefill.onnx`` and ``decode.onnx``.
+* ``ortopt``  -- ONNX Runtime's transformer tooling (``onnxruntime.transformers``): GPT-2 through
+                 ``models.gpt2.convert_to_onnx -o`` (``com.microsoft.Attention`` with the stacked
+                 ``past`` [2, batch, heads, past, head_dim]) and an MHA Llama through the
+                 ``models.llama`` recipe (TorchScript export, then ``optimize_model(model_type="gpt2")``:
+                 ``com.microsoft.MultiHeadAttention`` with past_key/past_value), run in a virtualenv
+                 with transformers 4.36: the optimizer's fusions match only the graphs of that era.
+                 On the other fixtures (transformers 4.57 / 5.x graphs) the optimizer of ORT 1.32
+                 fuses no attention at all (see tests/data/README.md).
 
 All models of one family share the same weights (same seed, same Hugging Face folder), so their
 fp32 goldens agree; each fp32 export is checked against a PyTorch reference (full recompute
@@ -36,7 +44,8 @@ Usage (see tests/data/README.md for the versions it was run with)::
 
 Needs torch, transformers 5.x, onnxscript, onnxruntime-genai, onnx and onnxruntime in the running
 interpreter; the optimum exports need a virtualenv with optimum-onnx (``--optimum-venv``,
-created with pinned versions when missing unless ``--no-create-venv``).
+created with pinned versions when missing unless ``--no-create-venv``), the ortopt exports one with
+transformers 4.36 over the main environment's torch and onnxruntime (``--ort-venv``, likewise).
 """
 from __future__ import annotations
 
@@ -61,6 +70,7 @@ import numpy as np  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "tests" / "data"
 DEFAULT_VENV = Path("/tmp/venv-optimum")
+DEFAULT_ORT_VENV = Path("/tmp/venv-ort-transformers")
 
 SEED = 0
 # batch 1, 8 tokens. Picked once among 24 seeded random prompts: with it every family's 32 greedy
@@ -74,6 +84,9 @@ GREEDY_STEPS = 32
 TORCH_PIN = "torch==2.13.0"
 OPTIMUM_PINS = ["optimum-onnx==0.1.0", "optimum==2.1.0", "transformers==4.57.6", "accelerate==1.15.0",
                 "onnxruntime==1.32.0", "onnx==1.23.2"]
+# The ortopt virtualenv (--system-site-packages: torch, onnx and onnxruntime of the main environment)
+# gets the transformers of the era ORT's fusions were written for, and the tokenizers/hub it needs.
+ORT_TOOLING_PINS = ["transformers==4.36.2", "tokenizers==0.15.2", "huggingface-hub==0.36.2"]
 
 # The final norm's weight is multiplied by LOGIT_SCALE: logits with a std of ~5 give greedy
 # top-1/top-2 margins well above fp32 noise, while attention (init 0.2) stays soft.
@@ -101,6 +114,12 @@ FAMILIES = {
         num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
         use_sliding_window=False,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, **COMMON)),
+    # Llama with as many kv heads as query heads: com.microsoft.MultiHeadAttention has no GQA (ORT's
+    # optimizer fuses a GQA Llama into an MHA node that ORT then rejects at session creation).
+    "llama_mha": dict(cls="LlamaConfig", kwargs=dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=512, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 100000.0}, **COMMON)),
     "gpt2": dict(cls="GPT2Config", kwargs=dict(
         n_embd=64, n_layer=2, n_head=4, n_inner=128, n_positions=512,
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **COMMON)),
@@ -136,6 +155,10 @@ FIXTURES = {
     "transformers_llama_mask": ("transformers", "llama", {"padded": True}),
     "transformers_gpt2": ("transformers", "gpt2", {}),
     "transformers_llama_op23": ("transformers", "llama", {"opset": 23}),  # ONNX Attention
+    # onnxruntime.transformers: com.microsoft.Attention with past [2, B, H, P, D] (GPT-2 tool, opset 11)
+    # and com.microsoft.MultiHeadAttention with past_key/past_value (Llama recipe, opset 14)
+    "ortopt_op11_gpt2": ("ortopt", "gpt2", {"opset": 11}),
+    "ortopt_op14_llama_mha": ("ortopt", "llama_mha", {"opset": 14}),
 }
 
 TOKENIZER_TEXT = [
@@ -321,6 +344,64 @@ def export_optimum(hf_dir, work, opset, venv, create_venv):
     return out / "model.onnx", {"optimum_env": versions.strip().splitlines()[-1]}
 
 
+def ensure_ort_venv(venv, create):
+    py = venv / "bin" / "python"
+    if py.exists():
+        return py
+    if not create:
+        raise RuntimeError(f"{py} not found (create the venv or pass --ort-venv)")
+    log(f"creating ortopt virtualenv {venv} (over this interpreter's site-packages)")
+    run([sys.executable, "-m", "venv", "--system-site-packages", venv])
+    run([py, "-m", "pip", "install", *ORT_TOOLING_PINS])
+    return py
+
+
+def export_ortopt(hf_dir, work, family, venv, create_venv):
+    """ONNX Runtime's transformer tooling, in the transformers-4.36 virtualenv (module docstring)."""
+    py = ensure_ort_venv(venv, create_venv)
+    src = optimum_hf_folder(hf_dir, work / "hf")   # transformers 4.x reads rope_theta, not rope_parameters
+    path = work / "model.onnx"
+    if family == "gpt2":
+        # -o: onnxruntime.transformers.optimizer (model_type gpt2); -t/-r: a one-case parity run
+        run([py, "-m", "onnxruntime.transformers.models.gpt2.convert_to_onnx", "-m", src, "--output", path,
+             "-p", "fp32", "-o", "-t", "1", "-r", "1", "--cache_dir", work / "cache"], env=offline_env(), cwd=work)
+        recipe = "onnxruntime.transformers.models.gpt2.convert_to_onnx -p fp32 -o"
+    else:
+        run([py, REPO / "tools" / "ort_transformers_export.py", src, path], env=offline_env(), cwd=work)
+        recipe = ("tools/ort_transformers_export.py: torch.onnx.export(dynamo=False, opset 14) + "
+                  "optimize_model(model_type='gpt2', opt_level=0) + symbolic_shape_infer")
+    versions = run([py, "-c", "import importlib.metadata as m; print(' '.join(p + '==' + m.version(p) "
+                    "for p in ('transformers', 'torch', 'onnxruntime', 'onnx')))"])
+    return path, {"ortopt_env": versions.strip().splitlines()[-1], "recipe": recipe}
+
+
+def optimizer_fusions_on_other_fixtures(out_dir):
+    """Attention nodes ``onnxruntime.transformers.optimizer`` (model_type gpt2, the type ORT's own GPT-2 and
+    Llama tools use) adds to each committed non-ortopt fixture; recorded in the manifest."""
+    import logging
+
+    import onnx
+    from onnxruntime.transformers.optimizer import optimize_model
+
+    logging.getLogger("onnxruntime.transformers").setLevel(logging.ERROR)
+
+    def attention_ops(graph):
+        return collections.Counter(n.op_type for n in graph.node if n.domain == "com.microsoft"
+                                   and n.op_type in ("Attention", "MultiHeadAttention", "GroupQueryAttention"))
+
+    found = {}
+    for name, (exporter, family, _) in FIXTURES.items():
+        path = out_dir / f"{name}.onnx"
+        if exporter == "ortopt" or not path.exists():
+            continue
+        cfg = FAMILIES[family]["kwargs"]
+        hidden, heads = cfg.get("hidden_size") or cfg["n_embd"], cfg.get("num_attention_heads") or cfg["n_head"]
+        before = attention_ops(onnx.load(str(path)).graph)
+        m = optimize_model(str(path), model_type="gpt2", num_heads=heads, hidden_size=hidden, opt_level=0)
+        found[name] = dict(attention_ops(m.model.graph) - before)
+    return found
+
+
 # ---------------------------------------------------------------------------------------------
 # Analysis, goldens, reference check
 # ---------------------------------------------------------------------------------------------
@@ -332,7 +413,7 @@ def _vi(v):
             "shape": [d.dim_param if d.dim_param else d.dim_value for d in t.shape.dim]}
 
 
-def attention_pattern(model, past_prefix="past_key_values.", present_prefix="present."):
+def attention_pattern(model, past_prefix="past", present_prefix="present"):
     """Counts of the nodes that make up attention and the cache in the main graph."""
     g = model.graph
     past = {i.name for i in g.input if i.name.startswith(past_prefix)}
@@ -379,7 +460,19 @@ def onnx_checker_result(model):
 
 
 def past_names(sess):
-    return [i.name for i in sess.get_inputs() if i.name.startswith("past_key_values.")]
+    """Loop-carried inputs: ``past_key_values.N.key/value`` (BNSH) or ``past_N`` (ORT's GPT-2 tool:
+    key and value stacked, [2, batch, heads, past, head_dim])."""
+    return [i.name for i in sess.get_inputs() if i.name.startswith("past")]
+
+
+def present_name(past):
+    return past.replace("past_key_values.", "present.") if past.startswith("past_key_values.") else \
+        past.replace("past", "present", 1)
+
+
+def io_dtypes(sess):
+    """Input name -> numpy integer type (ORT's GPT-2 tool exports int32 ids, positions and mask)."""
+    return {i.name: np.int32 if i.type == "tensor(int32)" else np.int64 for i in sess.get_inputs()}
 
 
 def window_buffer_capacity(path):
@@ -446,17 +539,21 @@ def ort_greedy(path, dims, prompt=PROMPT_IDS, steps=GREEDY_STEPS):
     sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
     in_names = {i.name for i in sess.get_inputs()}
     out_names = [o.name for o in sess.get_outputs()]
+    ranks = {i.name: len(i.shape) for i in sess.get_inputs()}
+    ints = io_dtypes(sess)
     pasts = past_names(sess)
     capacity = window_buffer_capacity(path)
-    cache = {n: np.zeros((1, dims["kv_num_heads"], capacity.get(n, 0), dims["head_dim"]), np.float32)
-             for n in pasts}
+    kv_shape = (1, dims["kv_num_heads"])
+    cache = {n: np.zeros(((2,) if ranks[n] == 5 else ()) + kv_shape + (capacity.get(n, 0), dims["head_dim"]),
+                         np.float32) for n in pasts}
     ids = np.array([prompt], dtype=np.int64)
     total, generated, margins, prefill = 0, [], [], None
     for step in range(steps):
         s = ids.shape[1]
-        feeds = {"input_ids": ids, "attention_mask": np.ones((1, total + s), np.int64), **cache}
+        feeds = {"input_ids": ids.astype(ints["input_ids"]),
+                 "attention_mask": np.ones((1, total + s), ints["attention_mask"]), **cache}
         if "position_ids" in in_names:
-            feeds["position_ids"] = np.arange(total, total + s, dtype=np.int64)[None]
+            feeds["position_ids"] = np.arange(total, total + s, dtype=ints["position_ids"])[None]
         unknown = in_names - set(feeds)
         if unknown:
             raise RuntimeError(f"{path.name}: unhandled inputs {sorted(unknown)}")
@@ -470,8 +567,8 @@ def ort_greedy(path, dims, prompt=PROMPT_IDS, steps=GREEDY_STEPS):
         nxt = int(np.argmax(last))
         generated.append(nxt)
         total += s
-        cache = {n: res[n.replace("past_key_values.", "present.")] for n in pasts}
-        assert all(v.shape[2] == capacity.get(n, total) for n, v in cache.items()), "present length != past + new"
+        cache = {n: res[present_name(n)] for n in pasts}
+        assert all(v.shape[-2] == capacity.get(n, total) for n, v in cache.items()), "present length != past + new"
         ids = np.array([[nxt]], dtype=np.int64)
     return dict(prompt_ids=np.array([prompt], np.int64), generated_ids=np.array([generated], np.int64),
                 prefill_logits=prefill.astype(np.float32), min_margin=np.float32(min(margins)))
@@ -523,7 +620,20 @@ def exporter_version(exporter, extra, vers):
         return f"onnxruntime-genai=={vers['onnxruntime-genai']} (transformers=={vers['transformers']})"
     if exporter in ("dynamo", "transformers"):
         return f"torch=={vers['torch']} onnxscript=={vers['onnxscript']} transformers=={vers['transformers']}"
+    if exporter == "ortopt":
+        return extra["ortopt_env"]
     return extra.get("optimum_env", "optimum")
+
+
+def kv_names(ins):
+    """The manifest's cache layout and past/present name patterns, from the graph inputs."""
+    if any(i["name"] == "past_0" for i in ins):   # ORT's GPT-2 tool: key and value stacked on axis 0
+        return {"kv_layout": "[2, batch, kv_num_heads, seq, head_dim] (key, value)",
+                "past_key": "past_{layer}", "past_value": "past_{layer}",
+                "present_key": "present_{layer}", "present_value": "present_{layer}"}
+    return {"kv_layout": "[batch, kv_num_heads, seq, head_dim]",
+            "past_key": "past_key_values.{layer}.key", "past_value": "past_key_values.{layer}.value",
+            "present_key": "present.{layer}.key", "present_value": "present.{layer}.value"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -540,6 +650,8 @@ def make_fixture(name, hf_dirs, out_dir, work_root, args, vers):
         raw, extra = export_genai(hf_dir, work, opts["precision"])
     elif exporter == "dynamo":
         raw, extra = export_dynamo(hf_dir, work, opts["opset"])
+    elif exporter == "ortopt":
+        raw, extra = export_ortopt(hf_dir, work, family, args.ort_venv, not args.no_create_venv)
     else:
         raw, extra = export_optimum(hf_dir, work, opts["opset"], args.optimum_venv, not args.no_create_venv)
     dst = out_dir / f"{name}.onnx"
@@ -573,11 +685,7 @@ def make_fixture(name, hf_dirs, out_dir, work_root, args, vers):
         "opsets": opsets,
         "ir_version": model.ir_version,
         **dims,
-        "kv_layout": "[batch, kv_num_heads, seq, head_dim]",
-        "past_key": "past_key_values.{layer}.key",
-        "past_value": "past_key_values.{layer}.value",
-        "present_key": "present.{layer}.key",
-        "present_value": "present.{layer}.value",
+        **kv_names(ins),
         "has_position_ids": any(i["name"] == "position_ids" for i in ins),
         "inputs": ins,
         "outputs": outs,
@@ -589,7 +697,7 @@ def make_fixture(name, hf_dirs, out_dir, work_root, args, vers):
         "size_bytes": dst.stat().st_size,
         "sha256": hashlib.sha256(dst.read_bytes()).hexdigest(),
     }
-    entry.update({k: v for k, v in extra.items() if k != "optimum_env"})
+    entry.update({k: v for k, v in extra.items() if k not in ("optimum_env", "ortopt_env")})
     log(f"{name}: {dst.stat().st_size} bytes, {pattern}, ref {ref_check}, "
         f"margin {entry['min_margin']:.3f}, {time.time() - t0:.1f}s")
     return entry
@@ -668,7 +776,9 @@ def main(argv=None):
     ap.add_argument("--only", nargs="+", choices=sorted(FIXTURES), help="fixtures to (re)build")
     ap.add_argument("--optimum-venv", type=Path, default=DEFAULT_VENV,
                     help=f"virtualenv with optimum-onnx (default {DEFAULT_VENV})")
-    ap.add_argument("--no-create-venv", action="store_true", help="fail instead of creating the venv")
+    ap.add_argument("--ort-venv", type=Path, default=DEFAULT_ORT_VENV,
+                    help=f"virtualenv with transformers 4.36 for the ortopt fixtures (default {DEFAULT_ORT_VENV})")
+    ap.add_argument("--no-create-venv", action="store_true", help="fail instead of creating the venvs")
     ap.add_argument("--keep-work", action="store_true", help="keep the scratch folder")
     ap.add_argument("--list", action="store_true", help="list fixture names and exit")
     args = ap.parse_args(argv)
@@ -715,8 +825,12 @@ def main(argv=None):
         "models": {k: models[k] for k in FIXTURES if k in models},
     }
     for m in manifest["models"].values():
-        if m["exporter"] == "optimum":
-            manifest["versions"]["optimum_env"] = m["exporter_version"]
+        if m["exporter"] in ("optimum", "ortopt"):
+            manifest["versions"][f"{m['exporter']}_env"] = m["exporter_version"]
+    manifest["ort_optimizer_on_other_fixtures"] = {
+        "what": "com.microsoft Attention/MultiHeadAttention/GroupQueryAttention nodes that "
+                "onnxruntime.transformers.optimizer (model_type gpt2, opt_level 0) adds to each non-ortopt fixture",
+        "found": optimizer_fusions_on_other_fixtures(args.out)}
     manifest_path.write_text(json.dumps(manifest, indent=1) + "\n")
     log(f"wrote {manifest_path} ({len(manifest['models'])} models)")
     return 0

@@ -30,6 +30,8 @@ EXPECTED_PATTERN = {
     "dynamo_op23": "Concat+Attention",
     "dynamo_op18": "Concat+decomposed",
     "optimum_op18": "Concat+decomposed",
+    "ortopt_op11": "com.microsoft.Attention",
+    "ortopt_op14": "MultiHeadAttention",
 }
 
 
@@ -61,7 +63,8 @@ def test_fixture_conversion_report(name, converted):
     assert not report.refused
     assert (report.num_layers, report.kv_num_heads, report.head_dim) == \
         (entry["num_layers"], entry["kv_num_heads"], entry["head_dim"])
-    assert len(report.removed_inputs) == len(report.removed_outputs) == 2 * entry["num_layers"]
+    per_layer = 1 if entry["past_key"] == entry["past_value"] else 2  # [2, B, H, P, D]: key and value stacked
+    assert len(report.removed_inputs) == len(report.removed_outputs) == per_layer * entry["num_layers"]
     for layer in range(entry["num_layers"]):  # paired by structure, and the pairs are the right ones
         x = report.layers[layer]
         assert (x["past_key"], x["present_key"]) == (entry["past_key"].format(layer=layer),
