@@ -1,6 +1,5 @@
 """Speculative decoding on SmolLM2-135M-Instruct (fp32 target; int4 export of the same weights as the draft model):
 the tokens of plain greedy decoding, prompt by prompt, including a copy task and an answer that ends with EOS."""
-import importlib.util
 import os
 
 import pytest
@@ -36,11 +35,10 @@ def _copy_prompt():
     from onnx_light_ep._text import TextTokenizer
     from onnx_light_ep.models.smollm2 import ensure_smollm2_onnx
 
-    spec = importlib.util.spec_from_file_location("bench_generation", os.path.join(ROOT, "tools", "bench_generation.py"))
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    text, _ = tool.copy_task_text(TextTokenizer.find([str(ensure_smollm2_onnx(progress=False))]), 300)
-    return f"{tool.COPY_TASK}\n\n{text}"
+    from onnx_light_ep.bench.gen_speculative import COPY_TASK, copy_task_text
+
+    text, _ = copy_task_text(TextTokenizer.find([str(ensure_smollm2_onnx(progress=False))]), 300)
+    return f"{COPY_TASK}\n\n{text}"
 
 
 @pytest.mark.parametrize("prompt,n", [("copy", 128), ("What is the capital of France?", 64),
