@@ -361,12 +361,7 @@ def _add_rewrite_commands(sub) -> None:
     g.add_argument("--prompt-ids", metavar="IDS", help="token ids, comma separated; ';' separates rows")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--tokenizer", default=None, metavar="DIR", help="folder with tokenizer.json")
-    p.add_argument("--threads", type=int, default=None)
+    _add_sampling_arguments(p)
     p.add_argument("--kv-quant", choices=("int8", "int4"), default=None,
                    help="store cold KV pages quantized (docs/API.md 'Quantized pages')")
     p.add_argument("--recent-tokens", type=int, default=None, help="with --kv-quant: newest positions kept native "
@@ -400,12 +395,7 @@ def _add_rewrite_commands(sub) -> None:
     p.add_argument("model", help="converted model with tokenizer.json and a chat template next to it")
     p.add_argument("--system", default=None, metavar="TEXT", help="system prompt")
     p.add_argument("--max-new-tokens", type=int, default=256, help="answer tokens per turn")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--tokenizer", default=None, metavar="DIR", help="folder with tokenizer.json")
-    p.add_argument("--threads", type=int, default=None)
+    _add_sampling_arguments(p)
     p.add_argument("--max-sequence-length", type=int, default=None, metavar="N",
                    help="cache capacity (default: the model's onnx_light.max_position)")
     p.add_argument("--kv-quant", choices=("int8", "int4"), default=None,
@@ -453,6 +443,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_rewrite_commands(sub)
     parser.set_defaults(func=_cmd_demo)
     return parser
+
+
+def _add_sampling_arguments(p: argparse.ArgumentParser) -> None:
+    """The sampling, tokenizer and thread flags generate and chat share."""
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--tokenizer", default=None, metavar="DIR", help="folder with tokenizer.json")
+    p.add_argument("--threads", type=int, default=None)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -252,20 +252,10 @@ def optimum_hf_folder(src, dest):
 
 
 def model_dims(hf_dir):
-    cfg = json.loads((hf_dir / "config.json").read_text())
-    if cfg["model_type"] == "gpt2":
-        hq = cfg["n_head"]
-        return dict(num_layers=cfg["n_layer"], q_num_heads=hq, kv_num_heads=hq,
-                    head_dim=cfg["n_embd"] // hq, hidden_size=cfg["n_embd"],
-                    vocab_size=cfg["vocab_size"], rope_theta=None,
-                    max_position_embeddings=cfg["n_positions"])
-    hq = cfg["num_attention_heads"]
-    return dict(num_layers=cfg["num_hidden_layers"], q_num_heads=hq,
-                kv_num_heads=cfg.get("num_key_value_heads") or hq,
-                head_dim=cfg.get("head_dim") or cfg["hidden_size"] // hq,
-                hidden_size=cfg["hidden_size"], vocab_size=cfg["vocab_size"],
-                rope_theta=(cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta")),
-                max_position_embeddings=cfg["max_position_embeddings"])
+    sys.path.insert(0, str(REPO))
+    from onnx_light_ep.models._dynamo import model_dims as dims_of_config
+
+    return dims_of_config(json.loads((hf_dir / "config.json").read_text()))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -41,6 +41,7 @@ import onnx
 
 from ._graph import GraphEditor, attr
 from ._kvpath import reads_past_concat, resolve_identity, starts_cache_reason, trace_kv
+from ._plan import node_input as _inp, node_output as _out, is_used as _used
 from ._plan import (LayerPlan, Operands, Refusal, anchor_name, causal_mask, combine_masks, const_i64,
                     dim_of, total_length)
 
@@ -48,16 +49,10 @@ from ._plan import (LayerPlan, Operands, Refusal, anchor_name, causal_mask, comb
 PATTERN_NO_PAST = "stateless Attention (no past)"
 
 
-def _inp(node, i):
-    return node.input[i] if len(node.input) > i else ""
 
 
-def _out(node, i):
-    return node.output[i] if len(node.output) > i else ""
 
 
-def _used(ed: GraphEditor, name: str) -> bool:
-    return bool(name) and (bool(ed.consumers(name)) or ed.is_graph_output(name))
 
 
 def match_attention(ed: GraphEditor, node: onnx.NodeProto) -> Union[LayerPlan, Refusal, None]:

@@ -51,17 +51,14 @@ import onnx
 
 from ._graph import GraphEditor, attr
 from ._kvpath import resolve_identity
+from ._plan import node_input as _inp, node_output as _out
 from ._plan import MS_DOMAIN, LayerPlan, Operands, Refusal, anchor_name, const_i64, dim_of
 
 PATTERN = "GroupQueryAttention"
 
 
-def _inp(node: onnx.NodeProto, i: int) -> str:
-    return node.input[i] if len(node.input) > i else ""
 
 
-def _out(node: onnx.NodeProto, i: int) -> str:
-    return node.output[i] if len(node.output) > i else ""
 
 
 def match_gqa(ed: GraphEditor, node: onnx.NodeProto) -> Union[LayerPlan, Refusal, None]:

@@ -45,6 +45,7 @@ import onnx
 
 from ._graph import GraphEditor, attr
 from ._kvpath import resolve_identity
+from ._plan import node_input as _inp, node_output as _out, is_used as _used
 from ._plan import LayerPlan, Operands, Refusal, anchor_name, combine_masks, const_i64, total_length, unsqueeze
 
 MS = "com.microsoft"
@@ -53,16 +54,10 @@ PATTERN_ATTENTION = "com.microsoft.Attention"
 DEFAULT_MASK_FILTER_VALUE = -10000.0
 
 
-def _inp(node, i):
-    return node.input[i] if len(node.input) > i else ""
 
 
-def _out(node, i):
-    return node.output[i] if len(node.output) > i else ""
 
 
-def _used(ed: GraphEditor, name: str) -> bool:
-    return bool(name) and (bool(ed.consumers(name)) or ed.is_graph_output(name))
 
 
 def _rank(ed: GraphEditor, name: str) -> Optional[int]:

@@ -21,6 +21,21 @@ DOMAIN = "ai.onnx_light"
 MS_DOMAIN = "com.microsoft"
 
 
+
+def node_input(node: onnx.NodeProto, i: int) -> str:
+    """Input ``i`` of ``node``, or "" when it has fewer (an omitted optional input)."""
+    return node.input[i] if len(node.input) > i else ""
+
+
+def node_output(node: onnx.NodeProto, i: int) -> str:
+    """Output ``i`` of ``node``, or "" when it has fewer."""
+    return node.output[i] if len(node.output) > i else ""
+
+
+def is_used(ed: GraphEditor, name: str) -> bool:
+    """``name`` is read by a node or is a graph output."""
+    return bool(name) and (bool(ed.consumers(name)) or ed.is_graph_output(name))
+
 @dataclass
 class Operands:
     """Inputs of the ``CacheAttention`` node a plan builds (tensor names, '' = absent)."""
