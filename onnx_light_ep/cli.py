@@ -204,6 +204,20 @@ def _speculative_options(args: argparse.Namespace) -> dict:
     return out
 
 
+def summary_line(res) -> str:
+    """generate's last line: prompt length, cached tokens, new tokens, stop reason, rates, provider."""
+    n = sum(map(len, res.token_ids))
+    prompt = sum(res.prompt_lengths)
+    eos = sum(1 for f in res.finished if f)
+    rows = len(res.finished)
+    stop = ("end of sequence" if eos == rows else "max-new-tokens" if eos == 0 else
+            f"end of sequence on {eos} of {rows} rows, max-new-tokens on the others")
+    prefill_rate = (prompt - res.cached_tokens) / res.prefill_seconds if res.prefill_seconds > 0 else float("nan")
+    rate = f"decode {res.tokens_per_second:.1f} tokens/s" if res.decode_steps else "no decode step"
+    return (f"prompt {prompt} tokens ({res.cached_tokens} cached), {n} new tokens, stop: {stop}; prefill "
+            f"{res.prefill_seconds * 1e3:.1f} ms ({prefill_rate:.0f} tokens/s); {rate} on {res.providers[0]}")
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
     from .generate import GenerateError, generate
     from .rewrite import ConvertError
@@ -253,8 +267,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
               f"copied per step mean {sum(copied) / len(copied):.0f}, max {max(copied)}; committed "
               f"{(res.committed_bytes_per_step or [0])[-1]} bytes at the end", file=sys.stderr)
     n = sum(map(len, res.token_ids))
-    rate = f"decode {res.tokens_per_second:.1f} tokens/s" if res.decode_steps else "no decode step"
-    print(f"{n} tokens; prefill {res.prefill_seconds * 1e3:.1f} ms; {rate} on {res.providers[0]}", file=sys.stderr)
+    print(summary_line(res), file=sys.stderr)
     if spec:
         print(f"speculative {spec['speculative']}: {res.accepted_tokens} of {res.draft_tokens} draft tokens "
               f"accepted ({res.acceptance_rate:.0%}) in {res.decode_steps} verification runs", file=sys.stderr)

@@ -1,5 +1,12 @@
 """The batch loop: one prefill of every (padded) prompt row, then one token per row per step.
 
+Rows of equal length longer than ``PREFILL_CHUNK_TOKENS`` (a single long
+prompt, the usual case) are prefilled in runs of that many tokens
+(``CacheStepper.prefill``, with a progress bar when ``progress`` is on): the
+logits of one run are ``[B, chunk, vocab]`` instead of ``[B, prompt, vocab]``
+(2.2 GB per 2K tokens at Gemma-3's 262144-token vocabulary) and the user sees
+the prefill advance.
+
 Greedy (``temperature <= 0``) or sampled; rows of different lengths are
 padded as the exporter expects (``onnx_light_ep._runner.DecodeState``); a row
 stops at an end-of-sequence id or after ``max_new_tokens``.
@@ -14,11 +21,14 @@ import numpy as np
 
 from .._runner import DecodeState, PastFeeds, check_inputs
 from ._prepare import Prepared
-from ._progress import Progress
+from ._progress import PrefillProgress, Progress
 from ._result import GenerateError, GenerateResult
 from ._sampling import sample_next
+from ._stepper import CacheStepper
 
-__all__ = ["run_batch"]
+__all__ = ["PREFILL_CHUNK_TOKENS", "run_batch"]
+
+PREFILL_CHUNK_TOKENS = 512
 
 
 def run_batch(prep: Prepared, *, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
@@ -51,31 +61,42 @@ def run_batch(prep: Prepared, *, max_new_tokens: int, temperature: float = 0.0, 
                               prefill_seconds=prefill_s, decode_seconds=decode_s, decode_steps=steps,
                               providers=session.get_providers())
 
+    chunked = (pasts is None and first is later and len({len(r) for r in rows}) == 1
+               and len(rows[0]) > PREFILL_CHUNK_TOKENS)
     with KVCache.for_model(session, len(rows), state.total_length + max_new_tokens,
                            **(cache_options or {})) as cache:
         for step in range(max_new_tokens):
             run = first if step == 0 else later
-            feeds = dict(state.feeds(run), **{meta["cache_input"]: cache.handle})
-            if pasts is not None:
-                feeds.update(pasts.values)
             t0 = time.perf_counter()
             try:
-                outs = dict(zip([o.name for o in run.get_outputs()], run.run(None, feeds)))
+                if step == 0 and chunked:
+                    bar = PrefillProgress(len(rows[0]), progress and stream is None)
+                    try:
+                        last = CacheStepper(run, meta).prefill(cache, np.array(rows, np.int64),
+                                                               chunk_tokens=PREFILL_CHUNK_TOKENS,
+                                                               progress=lambda done, total: bar(done))
+                    finally:
+                        bar.close()
+                else:
+                    feeds = dict(state.feeds(run), **{meta["cache_input"]: cache.handle})
+                    if pasts is not None:
+                        feeds.update(pasts.values)
+                    outs = dict(zip([o.name for o in run.get_outputs()], run.run(None, feeds)))
+                    if pasts is not None:
+                        pasts.update(outs)
+                    last = state.last_logits(outs[logits_name])
             except Exception as e:
                 tick.close()
                 raise GenerateError(f"generate: the run of step {step} failed after "
                                     f"{sum(map(len, generated))} generated token(s): {e}",
                                     partial_result()) from e
             dt = time.perf_counter() - t0
-            if pasts is not None:
-                pasts.update(outs)
             if step == 0:
                 prefill_s = dt
             else:
                 decode_s += dt
                 steps += 1
-            nxt = sample_next(state.last_logits(outs[logits_name]), temperature=temperature, top_k=top_k,
-                              top_p=top_p, rng=rng)
+            nxt = sample_next(last, temperature=temperature, top_k=top_k, top_p=top_p, rng=rng)
             for b, t in enumerate(nxt):
                 if not finished[b]:
                     if int(t) in eos:

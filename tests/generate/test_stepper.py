@@ -91,3 +91,34 @@ def test_stepper_refuses_the_prefill_graph_of_a_pair(mini_decoder):
     meta = dict(read_metadata(dst), stage="prefill")
     with pytest.raises(ValueError, match="the prefill graph of a prefill/decode pair"):
         CacheStepper(sess, meta)
+
+
+def test_generate_prefills_a_long_prompt_in_runs_with_progress(mini_decoder, capsys):
+    """A prompt longer than PREFILL_CHUNK_TOKENS runs in chunks (progress lines on stderr without tqdm's
+    terminal, or a bar) and gives plain ORT's greedy ids (one-run prefill on the original)."""
+    from onnx_light_ep.generate import generate
+    from onnx_light_ep.generate._greedy import PREFILL_CHUNK_TOKENS
+    from onnx_light_ep.rewrite import convert
+
+    src, dst = mini_decoder()
+    report = convert(src, dst)
+    prompt = [int(x) for x in (np.arange(PREFILL_CHUNK_TOKENS * 2 + 37) * 7 % 47 + 3)]
+    _, want = H.greedy_steps(src, dst, report, [prompt], 5, padding="right", max_len=len(prompt) + 8)
+    res = generate(dst, prompt_ids=[prompt], max_new_tokens=6, eos_token_ids=[], progress=True)
+    assert res.token_ids[0] == want[0][:6]
+    assert "prefill" in capsys.readouterr().err   # tqdm's bar (desc "prefill") or the stderr lines
+    seen = []
+    st = CacheStepper(InferenceSession(dst, H.so()), read_metadata(dst))
+    with KVCache.for_model(st.session, 1, len(prompt) + 1) as cache:
+        st.prefill(cache, np.array([prompt]), chunk_tokens=PREFILL_CHUNK_TOKENS, progress=lambda d, t: seen.append(d))
+    assert seen == [PREFILL_CHUNK_TOKENS, 2 * PREFILL_CHUNK_TOKENS, len(prompt)]
+
+
+def test_generate_summary_line_names_prompt_cached_new_and_stop(mini_decoder, capsys):
+    from onnx_light_ep.cli import main
+
+    _, dst = mini_decoder()
+    assert main(["generate", dst, "--prompt-ids", "3,4,5,6", "--max-new-tokens", "5", "-q", "--no-stream"]) == 0
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("prompt 4 tokens (0 cached), 5 new tokens, stop: max-new-tokens; prefill "), last
+    assert "tokens/s); decode " in last and last.endswith("on OnnxLightExecutionProvider"), last
