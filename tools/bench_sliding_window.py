@@ -206,7 +206,13 @@ def main(argv=None):
         except gemma3.GemmaTermsNotAccepted as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-    conv = ensure_converted(src, sys.stderr)
+    if src.name == "model.onnx":
+        conv = ensure_converted(src.parent, sys.stderr)   # next to it, in <folder>-onnx-light/, reused
+    else:
+        from onnx_light_ep.rewrite import convert
+
+        conv = Path(args.out_dir) / f"{src.stem}.light.onnx"
+        convert(str(src), str(conv))
     meta = read_metadata(str(conv))
     windows = [x["local_window_size"] if x["local_window_size"] > 0 else None for x in meta["layers"]]
     contexts = sorted(int(c) for c in args.contexts.split(","))
