@@ -8,7 +8,7 @@ Writes ``<out-dir>/bench_generation.json`` (machine, command, every section's ra
 ``section_NAME(args) -> dict`` with a ``"markdown"`` list of lines, registered in ``SECTIONS``;
 its own options are added to the parser by ``add_NAME_arguments``.
 
-- ``beam``: beam search with ``--num-beams`` (4) beams after a ``--context`` (1024) token prompt
+- ``beam``: beam search with ``--num-beams`` (4) beams after a ``--context`` (1024 and 4096) token prompt
   (random ids in [100, vocab - 100), seeded), ``--steps`` (16) measured decode steps after
   ``--warmup`` (2), per thread count (``0`` = ORT's default). Three runners, stepped in turn
   (one step each, order rotated per step), each prefilled once before the loop (timed once):
@@ -183,14 +183,27 @@ class _GenaiBeams:
 def add_beam_arguments(ap: argparse.ArgumentParser) -> None:
     g = ap.add_argument_group("beam")
     g.add_argument("--num-beams", type=int, default=4)
-    g.add_argument("--context", type=int, default=1024, help="prompt tokens")
+    g.add_argument("--context", default="1024,4096", help="prompt tokens, comma-separated (one table each)")
     g.add_argument("--steps", type=int, default=16, help="measured decode steps")
     g.add_argument("--warmup", type=int, default=2, help="decode steps before the measured ones")
     g.add_argument("--small-pages", type=int, default=32, help="page_tokens of the second EP runner (0 = none)")
 
 
 def section_beam(args) -> Dict:
-    """Beam search tokens/s and bytes copied per step: EP KVCache vs plain ORT gathered pasts vs genai."""
+    """Beam search tokens/s and bytes copied per step at each ``--context``: EP KVCache vs plain ORT
+    gathered pasts vs genai."""
+    try:
+        contexts = [int(x) for x in str(args.context).split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"error: --context; expected comma-separated integers, got {args.context!r}") from None
+    if not contexts or min(contexts) < 1:
+        raise SystemExit(f"error: --context; expected positive prompt lengths, got {args.context!r}")
+    per = [_beam_at(args, c) for c in contexts]
+    return {"contexts": per, "markdown": [line for r in per for line in r["markdown"] + [""]]}
+
+
+def _beam_at(args, ctx: int) -> Dict:
+    """One prompt length of :func:`section_beam`."""
     from onnx_light_ep.generate import BeamSearch
     from onnx_light_ep.generate._beam import log_softmax
     from onnx_light_ep.models.smollm2 import ensure_smollm2_onnx
@@ -203,7 +216,7 @@ def section_beam(args) -> Dict:
     cfg = json.load(open(os.path.join(src_dir, "genai_config.json")))["model"]
     dec = cfg["decoder"]
     row_bytes = dec["num_hidden_layers"] * dec["num_key_value_heads"] * 2 * dec["head_size"] * 4
-    n, ctx, total = args.num_beams, args.context, args.warmup + args.steps
+    n, total = args.num_beams, args.warmup + args.steps
     rng = np.random.default_rng(args.seed)
     prompt = rng.integers(100, int(cfg["vocab_size"]) - 100, size=(1, ctx), dtype=np.int64)
     capacity = ctx + total + 1
