@@ -149,6 +149,8 @@ FIXTURES = {
     "dynamo_op18_llama": ("dynamo", "llama", {"opset": 18}),
     "optimum_op18_llama": ("optimum", "llama", {"opset": 18}),
     "optimum_op18_gpt2": ("optimum", "gpt2", {"opset": 18}),
+    # sliding window 16 on 3 of 4 layers; optimum writes config.json (with the window) beside it
+    "optimum_op18_gemma3": ("optimum", "gemma3", {"opset": 18}),
     # prefill/decode pairs; the export traces model.generate on a batch-2 sample (rows of equal
     # length: no attention_mask input; "padded": the second row left-padded, so the graphs take one)
     "transformers_llama": ("transformers", "llama", {}),
@@ -239,16 +241,12 @@ def build_hf_folder(family, dest):
 
 def optimum_hf_folder(src, dest):
     """A copy whose config.json also has the old-style RoPE keys that transformers 4.x reads
-    (``rope_theta``, ``rope_scaling``); without them 4.x silently uses its default base."""
-    shutil.copytree(src, dest, dirs_exist_ok=True)
-    p = dest / "config.json"
-    cfg = json.loads(p.read_text())
-    rp = cfg.get("rope_parameters")
-    if isinstance(rp, dict):
-        cfg["rope_theta"] = rp["rope_theta"]
-        cfg["rope_scaling"] = None if rp.get("rope_type", "default") == "default" else dict(rp)
-    p.write_text(json.dumps(cfg, indent=2))
-    return dest
+    (``rope_theta``, ``rope_scaling``; Gemma-3: ``rope_local_base_freq`` too); without them 4.x
+    silently uses its default bases (onnx_light_ep.models._optimum.transformers4_config)."""
+    sys.path.insert(0, str(REPO))
+    from onnx_light_ep.models._optimum import transformers4_folder
+
+    return transformers4_folder(src, dest)
 
 
 def model_dims(hf_dir):

@@ -204,22 +204,25 @@ def _hf_config(family, **over):
     return cfg
 
 
+@pytest.mark.parametrize("name", ["dynamo_op23_gemma3", "optimum_op18_gemma3"])
 @pytest.mark.parametrize("config,want", [
     ({}, [16, 16, 16, -1]),                                     # window from config.json's layer_types
     ({"sliding_window": None}, [-1, -1, -1, -1]),               # a config without a window: none
     (None, [-1, -1, -1, -1]),                                   # no config.json: the mask alone
 ])
-def test_window_from_config_json_beside_a_mask_export(tmp_path, config, want):
-    """torch.onnx's Gemma-3 export builds the window into the mask; the config.json beside it names it
-    per layer: convert applies it (reported), compare over a prompt of 5 windows still matches plain ORT
-    (the mask and the window agree), and for_model bounds the sliding layers' pages."""
+def test_window_from_config_json_beside_a_mask_export(tmp_path, name, config, want):
+    """torch.onnx's and optimum's Gemma-3 exports build the window into the mask (ONNX Attention /
+    MatMul-Softmax-MatMul); the config.json both exporters write beside the model names it per layer
+    (here the fixture's Hugging Face config: the same sliding_window and layer_types as optimum's
+    transformers-4 one): convert applies it (reported), compare over a prompt of 5 windows still
+    matches plain ORT (the mask and the window agree), and for_model bounds the sliding layers' pages."""
     import shutil
 
     from onnx_light_ep import InferenceSession, KVCache
     from onnx_light_ep.rewrite import read_metadata
 
     src = str(tmp_path / "model.onnx")
-    shutil.copy(os.path.join(DATA, "dynamo_op23_gemma3.onnx"), src)
+    shutil.copy(os.path.join(DATA, f"{name}.onnx"), src)
     if config is not None:
         with open(tmp_path / "config.json", "w") as f:
             json.dump(_hf_config("gemma3", **config), f)
@@ -229,15 +232,23 @@ def test_window_from_config_json_beside_a_mask_export(tmp_path, config, want):
     assert ("sliding windows: layers 0-2: 16; layer 3: none" in str(report)) == (want[0] == 16)
     prompt = (np.arange(80) * 37 % 997 + 3).tolist()
     result = compare(src, dst, prompt_ids=[prompt], steps=8, threads=1)
-    assert result.ok and result.max_abs <= 1e-4, result.summary()
+    # fp32, compare's default (|d| <= 1e-4 + 1e-5 |original| at every position); the dynamo export also
+    # within 1e-4 absolute. optimum's decomposed graph on plain ORT differs from the kernel by ~1.04e-4
+    # over this 80-token prefill with or without the window (logits up to ~26), so not that extra bound.
+    assert result.ok, result.summary()
+    if name.startswith("dynamo"):
+        assert result.max_abs <= 1e-4, result.summary()
     sess = InferenceSession(dst)
+    has_positions = any(i.name == "position_ids" for i in sess.get_inputs())
+    assert has_positions == name.startswith("dynamo")  # optimum's Gemma export derives them from the mask
     with KVCache.for_model(sess, 1, 512, page_tokens=32) as cache:
         held = []
         for chunk in range(6):
-            ids = np.full((1, 32), 5 + chunk, np.int64)
-            sess.run(None, {"input_ids": ids, "attention_mask": np.ones((1, 32 * (chunk + 1)), np.int64),
-                            "position_ids": np.arange(32 * chunk, 32 * (chunk + 1))[None],
-                            "kv_cache": cache.handle})
+            feeds = {"input_ids": np.full((1, 32), 5 + chunk, np.int64),
+                     "attention_mask": np.ones((1, 32 * (chunk + 1)), np.int64), "kv_cache": cache.handle}
+            if has_positions:
+                feeds["position_ids"] = np.arange(32 * chunk, 32 * (chunk + 1))[None]
+            sess.run(None, feeds)
             held.append(cache.stats()["committed_bytes"])
     page = 32 * 2 * 16 * 4 * 2
     assert held[-1] - held[2] == (3 if want[0] == 16 else 12) * page, held
@@ -262,3 +273,19 @@ def test_config_windows_reader(tmp_path):
     assert write({"sliding_window": 8, "num_hidden_layers": 3, "layer_types": ["sliding_attention"]}) is None
     (tmp_path / "config.json").write_text("{not json")
     assert config_windows(str(tmp_path)) is None
+
+
+def test_transformers4_config_for_the_optimum_venv():
+    """transformers 4.x reads rope_theta (and Gemma-3's rope_local_base_freq), not transformers 5's
+    rope_parameters: the copy given to optimum carries both bases of the fixture's Gemma-3 config."""
+    from onnx_light_ep.models._optimum import transformers4_config
+
+    g = transformers4_config(_hf_config("gemma3"))
+    assert (g["rope_theta"], g["rope_local_base_freq"], g["rope_scaling"]) == (1000000.0, 10000.0, None)
+    assert transformers4_config(_hf_config("llama"))["rope_theta"] == 100000.0
+    scaled = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}
+    assert transformers4_config({"rope_parameters": scaled})["rope_scaling"] == scaled
+    bad = _hf_config("gemma3")
+    bad["rope_parameters"] = {**bad["rope_parameters"], "sliding_attention": scaled}
+    with pytest.raises(ValueError, match=r"rope_parameters\['sliding_attention'\] must be rope_type 'default'"):
+        transformers4_config(bad)
