@@ -151,10 +151,15 @@ class DraftModelProposer:
             self.cache.truncate(accepted_length)
 
 
-def _cache_options(cache_options: Optional[dict], num_draft_tokens: int) -> dict:
-    """The run's cache options; sliding-window layers keep ``num_draft_tokens`` positions to truncate back over."""
+def _cache_options(cache_options: Optional[dict], num_draft_tokens: int, max_new_tokens: int) -> dict:
+    """The run's cache options; sliding-window layers keep the positions a step may truncate back over.
+
+    A step drafts at most ``min(num_draft_tokens, max_new_tokens - 2)`` tokens (see the module docstring),
+    so that many positions are kept, never more than the cache's length (``KVCache`` refuses more).
+    """
     opts = dict(cache_options or {})
-    opts["rollback_tokens"] = max(int(opts.get("rollback_tokens") or 0), int(num_draft_tokens))
+    drops = min(int(num_draft_tokens), max(int(max_new_tokens) - 2, 0))
+    opts["rollback_tokens"] = max(int(opts.get("rollback_tokens") or 0), drops)
     return opts
 
 
@@ -176,7 +181,7 @@ def run_speculative(prep: Prepared, *, speculative: str, num_draft_tokens: int, 
     where = f"generate (speculative={speculative!r})"
     stepper = CacheStepper(session, prep.meta, where)
     dstepper = CacheStepper(draft.session, draft.meta, where + " draft_model") if draft is not None else None
-    opts = _cache_options(cache_options, num_draft_tokens)
+    opts = _cache_options(cache_options, num_draft_tokens, max_new_tokens)
     own_pool = None
     if draft is not None and opts.get("pool") is None:
         own_pool = opts["pool"] = KVPool()
