@@ -39,6 +39,12 @@ class CacheStepper:
     """
 
     def __init__(self, session, meta: dict, where: str = "generate"):
+        if not callable(getattr(session, "get_inputs", None)) or not callable(getattr(session, "run", None)):
+            raise ValueError(f"{where}: session; expected an onnx_light_ep.InferenceSession, got "
+                             f"{type(session).__name__}")
+        if not isinstance(meta, dict) or "cache_input" not in meta:
+            raise ValueError(f"{where}: meta; expected the model's onnx_light metadata (read_metadata), got "
+                             f"{'a dict without ' + repr('cache_input') if isinstance(meta, dict) else type(meta).__name__}")
         pairs = [tuple(p) for p in meta.get("tensor_pairs", [])]
         if pairs:
             raise ValueError(f"{where}: the model still carries past/present tensors {pairs[0]} outside the cache "
@@ -54,6 +60,52 @@ class CacheStepper:
         self._types = _input_types(session)
         self._out_names = [o.name for o in session.get_outputs()]
         self._logits = meta.get("logits_output") or self._out_names[0]
+        shape = next((o.shape for o in session.get_outputs() if o.name == self._logits), None)
+        #: logits width (the vocabulary) when the graph states it, else None
+        self.vocab: Optional[int] = shape[-1] if shape and isinstance(shape[-1], int) else None
+        self._geometry = tuple(meta.get(k) for k in ("num_layers", "kv_num_heads", "head_dim", "v_head_dim", "dtype"))
+        limit = meta.get("max_position")
+        self._max_position = int(limit) if limit else None
+
+    def check_ids(self, cache, ids) -> np.ndarray:
+        """``ids`` as int64 ``[B, S]`` after checking them against the model and ``cache`` (nothing runs).
+
+        Raises:
+            ValueError: not integers (floats would be truncated, bools and text
+                are not ids), not ``[cache.batch_size, S >= 1]``, outside
+                ``[0, vocab)`` (ORT's Gather would wrap -1 around to another
+                token), ``cache`` of another geometry, or ``past + S`` beyond
+                the cache's ``max_sequence_length`` or the model's
+                ``onnx_light.max_position``.
+        """
+        arr = np.asarray(ids)
+        if arr.dtype.kind not in "iu" and not (arr.size == 0 and arr.dtype.kind == "f"):
+            raise ValueError(f"{self.where}: input_ids; expected integer token ids, got an array of {arr.dtype}")
+        arr = arr.astype(np.int64, copy=False)
+        if arr.ndim != 2 or arr.shape[0] != cache.batch_size or arr.shape[1] < 1:
+            raise ValueError(f"{self.where}: input_ids; expected int [{cache.batch_size}, S >= 1] (the cache's "
+                             f"batch), got shape {list(arr.shape)}")
+        if self.vocab is not None and arr.size and (arr.min() < 0 or arr.max() >= self.vocab):
+            bad = int(arr.min()) if arr.min() < 0 else int(arr.max())
+            raise ValueError(f"{self.where}: input_ids; expected token ids in [0, {self.vocab}) (the model's "
+                             f"vocabulary), got {bad}")
+        got = (cache.num_layers, cache.kv_num_heads, cache.head_dim, cache.v_head_dim, cache.dtype)
+        if None not in self._geometry and got != self._geometry:
+            names = ("num_layers", "kv_num_heads", "head_dim", "v_head_dim")
+            want = ", ".join(f"{n} {v}" for n, v in zip(names, self._geometry)) + f", {self._geometry[4]}"
+            diff = ", ".join(f"{n} {g}" for n, g, w in zip(names + ("dtype",), got, self._geometry) if g != w)
+            raise ValueError(f"{self.where}: cache; expected a cache of this model's geometry ({want}), got {diff} "
+                             f"(KVCache.for_model makes one)")
+        past = self.past_length(cache)
+        limits = [(int(cache.max_sequence_length), f"the cache's max_sequence_length {cache.max_sequence_length}")]
+        if self._max_position:
+            limits.append((self._max_position, f"the model's {self._max_position} positions, onnx_light.max_position"))
+        room = min(n for n, _ in limits)
+        if past + arr.shape[1] > room:
+            why = "; ".join(w for n, w in limits if n == room)
+            raise ValueError(f"{self.where}: input_ids; the cache holds {past} positions and the run adds "
+                             f"{arr.shape[1]}: expected at most {room} in all ({why})")
+        return arr
 
     def past_length(self, cache) -> int:
         """``L``: the positions every row of ``cache`` holds (``ValueError`` if the rows differ)."""
@@ -65,10 +117,7 @@ class CacheStepper:
 
     def feeds(self, cache, ids: np.ndarray) -> Dict[str, np.ndarray]:
         """The inputs of one run of ``ids`` (int ``[B, S]``) after the positions ``cache`` holds."""
-        ids = np.asarray(ids, dtype=np.int64)
-        if ids.ndim != 2 or ids.shape[0] != cache.batch_size or ids.shape[1] < 1:
-            raise ValueError(f"{self.where}: input_ids; expected int [{cache.batch_size}, S >= 1] (the cache's "
-                             f"batch), got shape {list(ids.shape)}")
+        ids = self.check_ids(cache, ids)
         b, s = ids.shape
         past = self.past_length(cache)
         t = self._types
@@ -110,11 +159,16 @@ class CacheStepper:
         Returns the logits ``[B, vocab]`` of the last token; ``progress(done,
         total)`` is called after each run.
         """
-        ids = np.asarray(ids, dtype=np.int64)
-        if ids.ndim != 2 or ids.shape[1] < 1:
-            raise ValueError(f"{self.where}: prompt ids; expected int [B, S >= 1], got shape {list(ids.shape)}")
+        arr = np.asarray(ids)
+        if arr.ndim != 2 or arr.shape[1] < 1:
+            raise ValueError(f"{self.where}: prompt ids; expected int [B, S >= 1], got shape {list(arr.shape)}")
+        if chunk_tokens is not None and (isinstance(chunk_tokens, (bool, np.bool_))
+                                         or not isinstance(chunk_tokens, (int, np.integer)) or chunk_tokens < 1):
+            raise ValueError(f"{self.where}: chunk_tokens; expected an int >= 1 or None (one run), got "
+                             f"{chunk_tokens!r}")
+        ids = self.check_ids(cache, arr)   # the whole prompt, before its first chunk runs
         total = ids.shape[1]
-        step = total if not chunk_tokens else max(1, int(chunk_tokens))
+        step = total if chunk_tokens is None else int(chunk_tokens)
         logits = None
         for start in range(0, total, step):
             logits = self.run(cache, ids[:, start:start + step])
