@@ -112,10 +112,13 @@ def generate(model, prompt: Union[str, Sequence[str], None] = None, *,
         GenerateError: a run failed after generation started (``partial``
             holds what was generated).
     """
+    if stream is not None and not callable(stream):
+        raise ValueError(f"generate: stream; expected a callable taking each new piece of text, or None, got "
+                         f"{type(stream).__name__}")
     check_cache_options(cache_options)
     if prefix_cache is not None and not isinstance(prefix_cache, PrefixCache):
         raise ValueError(f"generate: prefix_cache; expected a PrefixCache or None, got {type(prefix_cache).__name__}")
-    check_sampling(temperature, top_k, top_p)
+    check_sampling(temperature, top_k, top_p, seed)
     # -- beam search (num_beams >= 2): onnx_light_ep.generate._beam --------------------------------
     beam = check_beam_arguments(num_beams, length_penalty, early_stopping, num_return_sequences,
                                 temperature=temperature, stream=stream)

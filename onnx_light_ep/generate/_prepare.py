@@ -16,7 +16,10 @@ import tempfile
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Set
 
-__all__ = ["CACHE_OPTIONS", "Prepared", "check_cache_options", "check_sampling", "prepare"]
+import numpy as np
+
+__all__ = ["CACHE_OPTIONS", "Prepared", "check_cache_options", "check_eos", "check_positive_int", "check_sampling",
+           "check_threads", "prepare", "token_rows"]
 
 # KVCache.for_model keywords generate passes through (batch size and length come from the run).
 CACHE_OPTIONS = ("pool", "page_tokens", "sliding_window", "rollback_tokens", "kv_quant", "recent_tokens",
@@ -35,11 +38,85 @@ def check_cache_options(cache_options) -> None:
                          f"{', '.join(CACHE_OPTIONS)} (batch size and length are set by the run)")
 
 
-def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
-    if not (math.isfinite(temperature) and temperature >= 0.0):
-        raise ValueError(f"generate: temperature; expected a finite number >= 0 (0 = greedy), got {temperature}")
-    if top_k < 0 or not 0.0 < top_p <= 1.0:
-        raise ValueError(f"generate: top_k/top_p; expected top_k >= 0 and 0 < top_p <= 1, got {top_k}, {top_p}")
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
+
+
+def check_sampling(temperature: float, top_k: int, top_p: float, seed=None, where: str = "generate") -> None:
+    """``ValueError`` naming the argument unless temperature/top_k/top_p/seed are what :func:`sample_next` takes.
+
+    ``temperature``: a finite number >= 0; ``top_k``: an int >= 0; ``top_p``: a
+    number in (0, 1]; ``seed``: an int >= 0 or None (``numpy.random.default_rng``).
+    Bools are refused where numbers are expected (True is not a temperature).
+    """
+    if not (_is_real(temperature) and math.isfinite(temperature) and temperature >= 0.0):
+        raise ValueError(f"{where}: temperature; expected a finite number >= 0 (0 = greedy), got {temperature!r}")
+    if not (_is_int(top_k) and top_k >= 0):
+        raise ValueError(f"{where}: top_k; expected an int >= 0 (0 = no top-k), got {top_k!r}")
+    if not (_is_real(top_p) and 0.0 < top_p <= 1.0):
+        raise ValueError(f"{where}: top_p; expected a number in (0, 1], got {top_p!r}")
+    if seed is not None and not (_is_int(seed) and seed >= 0):
+        raise ValueError(f"{where}: seed; expected an int >= 0 or None, got {seed!r}")
+
+
+def check_positive_int(value, where: str, arg: str) -> int:
+    """``value`` as an int >= 1 (``ValueError`` naming ``arg`` for bools, floats, text, None, values < 1)."""
+    if not _is_int(value):
+        raise ValueError(f"{where}: {arg}; expected an int >= 1, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{where}: {arg}; expected >= 1, got {value}")
+    return int(value)
+
+
+def check_threads(threads, where: str = "generate") -> None:
+    if threads is not None and not (_is_int(threads) and threads >= 0):
+        raise ValueError(f"{where}: threads; expected an int >= 0 or None (0 or None: ONNX Runtime's default), "
+                         f"got {threads!r}")
+
+
+def token_rows(prompt_ids, where: str = "generate", arg: str = "prompt_ids") -> List[List[int]]:
+    """Rows of int token ids from a list of rows (lists, tuples or 1-D arrays of ints) or a 2-D int array.
+
+    Raises:
+        ValueError: a flat list of ids (a single prompt is ``[[...]]``), text,
+            or ids that are not integers (floats would be truncated, bools are
+            not ids).
+    """
+    if prompt_ids is None:
+        return []
+    if isinstance(prompt_ids, (str, bytes)) or not hasattr(prompt_ids, "__iter__"):
+        raise ValueError(f"{where}: {arg}; expected a list of rows (each a list of token ids), got a "
+                         f"{type(prompt_ids).__name__}")
+    rows = []
+    for i, row in enumerate(prompt_ids):
+        if isinstance(row, (str, bytes)) or not hasattr(row, "__iter__"):
+            shown = list(prompt_ids)[:8]
+            raise ValueError(f"{where}: {arg}; expected a list of rows (each a list of token ids), got {row!r} as "
+                             f"row {i}: a single prompt is [{shown!r}]")
+        out = []
+        for t in row:
+            if not _is_int(t):
+                raise ValueError(f"{where}: {arg}[{i}]; expected integer token ids, got {t!r}")
+            out.append(int(t))
+        rows.append(out)
+    return rows
+
+
+def check_eos(eos_token_ids, where: str = "generate") -> Optional[Set[int]]:
+    """``eos_token_ids`` (an int or a sequence of ints, or None) as a set; ``ValueError`` otherwise."""
+    if eos_token_ids is None:
+        return None
+    if _is_int(eos_token_ids):
+        return {int(eos_token_ids)}
+    items = list(eos_token_ids) if hasattr(eos_token_ids, "__iter__") and not isinstance(
+        eos_token_ids, (str, bytes)) else None
+    if items is None or not all(_is_int(t) for t in items):
+        raise ValueError(f"{where}: eos_token_ids; expected an int or a sequence of ints, got {eos_token_ids!r}")
+    return {int(t) for t in items}
 
 
 @dataclass
@@ -111,8 +188,9 @@ def prepare(model, prompt=None, *, prompt_ids=None, chat: bool = False, max_new_
     from ..rewrite import read_metadata
     from ..rewrite._pair import check_pair_metadata, model_files
 
-    if max_new_tokens < 1:
-        raise ValueError(f"generate: max_new_tokens; expected >= 1, got {max_new_tokens}")
+    max_new_tokens = check_positive_int(max_new_tokens, "generate", "max_new_tokens")
+    check_threads(threads)
+    eos_given = check_eos(eos_token_ids)
     if tokenizer_dir is not None and not os.path.isdir(os.fspath(tokenizer_dir)):
         raise ValueError(f"generate: tokenizer_dir; expected a folder with tokenizer.json, got "
                          f"{os.fspath(tokenizer_dir)!r} (not a folder)")
@@ -141,16 +219,23 @@ def prepare(model, prompt=None, *, prompt_ids=None, chat: bool = False, max_new_
             if tok is None:
                 raise ValueError("generate: prompt; expected token ids (no tokenizer.json usable with the "
                                  "tokenizers package next to the model), got text")
+            if not isinstance(prompt, (str, list, tuple)):
+                raise ValueError(f"generate: prompt; expected text or a list of texts, got {type(prompt).__name__}")
             texts = [prompt] if isinstance(prompt, str) else list(prompt)
+            if not texts:
+                raise ValueError("generate: prompt; expected text or a non-empty list of texts, got []")
             for i, t in enumerate(texts):
-                if not t:
+                if not isinstance(t, str) or not t:
                     raise ValueError(f"generate: prompt[{i}]; expected non-empty text, got {t!r}")
             if chat:
                 texts = [tok.chat_prompt(t) or t for t in texts]
             prompt_ids = [tok.encode(t) for t in texts]
-        if not prompt_ids and prompt_required:
-            raise ValueError("generate: expected a prompt or prompt_ids")
-        rows = [list(map(int, p)) for p in prompt_ids or []]
+        if prompt_ids is None or (not isinstance(prompt_ids, np.ndarray) and not prompt_ids) or (
+                isinstance(prompt_ids, np.ndarray) and prompt_ids.size == 0):
+            prompt_ids = None
+            if prompt_required:
+                raise ValueError("generate: expected a prompt or prompt_ids")
+        rows = token_rows(prompt_ids)
         for i, r in enumerate(rows):
             if not r:
                 raise ValueError(f"generate: prompt_ids[{i}]; expected at least one token id, got []")
@@ -161,7 +246,7 @@ def prepare(model, prompt=None, *, prompt_ids=None, chat: bool = False, max_new_
                              f"tokens{f' (+{extra_positions} for drafts)' if extra_positions else ''} exceeds the "
                              f"model's {int(limit)} positions (onnx_light.max_position); expected max_new_tokens "
                              f"<= {int(limit) - longest - extra_positions}")
-        eos = set(eos_token_ids) if eos_token_ids is not None else (
+        eos = eos_given if eos_given is not None else (
             tok.eos_token_ids if tok is not None else _eos_ids(tokenizer_dir or "", src_dir))
         decode_session = None
         if decode is not None and session is not None:
@@ -189,6 +274,10 @@ def prepare(model, prompt=None, *, prompt_ids=None, chat: bool = False, max_new_
             if bad:
                 raise ValueError(f"generate: prompt_ids[{i}]; expected token ids in [0, {vocab}) (the model's "
                                  f"vocabulary), got {bad[0]}")
+        bad = sorted(t for t in eos_given or () if t < 0 or (vocab is not None and t >= vocab))
+        if bad:   # an id the model never gives: a row would never stop on it
+            raise ValueError(f"generate: eos_token_ids; expected ids in [0, {vocab}) (the model's vocabulary), got "
+                             f"{bad[0]}")
         if "attention_mask" not in {i.name for i in session.get_inputs()} and len({len(r) for r in rows}) > 1:
             raise ValueError(f"generate: prompt_ids; the model has no attention_mask input (no padding), so a "
                              f"batch needs prompts of equal length (in tokens), got {[len(r) for r in rows]}")
