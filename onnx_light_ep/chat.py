@@ -24,12 +24,13 @@ truncated away).
 :meth:`ChatSession.save` writes the cache (``KVCache.save``) and, next to it in
 ``FILE.json``, the conversation (system prompt, messages, token ids);
 :meth:`ChatSession.load` restores both after checking the file's geometry
-against the model. ``onnx-light chat MODEL`` (``onnx_light_ep._chat_cli``) is
+against the model and its ``digest`` against both files. ``onnx-light chat MODEL`` (``onnx_light_ep._chat_cli``) is
 the interactive front end.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -93,6 +94,16 @@ class ChatTurn:
         return len(self.token_ids) / self.decode_seconds if self.decode_seconds > 0 else float("nan")
 
 
+def _digest(path: str, ids: Sequence[int]) -> str:
+    """Hex sha256 of the file ``path`` followed by ``ids`` as int64 little-endian (the sidecar's ``digest``)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    h.update(np.asarray(list(ids), dtype="<i8").tobytes())
+    return h.hexdigest()
+
+
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
     for i in range(n):
@@ -148,7 +159,7 @@ class ChatSession:
         if system is not None and not isinstance(system, str):
             raise ValueError(f"chat: system; expected text or None, got {type(system).__name__}")
         check_cache_options(cache_options)
-        check_sampling(temperature, top_k, top_p)
+        check_sampling(temperature, top_k, top_p, seed, where="chat")
         try:
             self._prep = prepare(model, max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids,
                                  tokenizer_dir=tokenizer_dir, session=session, threads=threads,
@@ -277,11 +288,24 @@ class ChatSession:
             Whatever a run raises; the cache then holds :attr:`token_ids`.
         """
         from .generate import sample_next
+        from .generate._prepare import _is_int
 
-        ids = [int(t) for t in conversation_ids]
+        if isinstance(conversation_ids, (str, bytes)) or not hasattr(conversation_ids, "__iter__"):
+            raise ValueError(f"chat: conversation_ids; expected a sequence of integer token ids, got a "
+                             f"{type(conversation_ids).__name__}")
+        ids = list(conversation_ids)
+        bad = next((t for t in ids if not _is_int(t)), None)
+        if bad is not None:   # a float would be truncated, a bool run as 0/1
+            raise ValueError(f"chat: conversation_ids; expected integer token ids, got {bad!r}")
+        ids = [int(t) for t in ids]
+        if max_new_tokens is not None and not _is_int(max_new_tokens):
+            raise ValueError(f"chat: max_new_tokens; expected an int >= 1 or None, got {max_new_tokens!r}")
         requested = self.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
         if requested < 1:
             raise ValueError(f"chat: max_new_tokens; expected >= 1, got {max_new_tokens}")
+        if stream is not None and not callable(stream):
+            raise ValueError(f"chat: stream; expected a callable taking each new piece of text, or None, got "
+                             f"{type(stream).__name__}")
         if not ids:
             raise ValueError("chat: conversation_ids; expected at least one token id, got []")
         vocab = self._prep.vocab
@@ -376,21 +400,26 @@ class ChatSession:
 
         The JSON holds ``format`` (``"onnx_light_ep.chat"``), ``version``,
         ``system``, ``messages`` (user/assistant turns), ``token_ids`` (what the
-        cache holds) and ``model`` (the path, informative). Both files are
-        written to a temporary name and renamed.
+        cache holds), ``model`` (the path, informative) and ``digest``: the
+        hex sha256 of the cache file's bytes followed by the token ids as
+        int64 little-endian, which binds the two files (:meth:`load` checks
+        it). The cache is written first, then the JSON; each to a temporary
+        name and renamed (a failure in between leaves a JSON whose digest does
+        not match: refused by :meth:`load`).
 
         Raises:
             OSError: the files cannot be written.
         """
         path = os.fspath(path)
         side = path + ".json"
+        self.cache.save(path)
         data = {"format": SIDECAR_FORMAT, "version": SIDECAR_VERSION, "model": os.path.abspath(self._prep.path),
-                "system": self._system, "messages": [dict(m) for m in self._turns], "token_ids": list(self._ids)}
+                "system": self._system, "messages": [dict(m) for m in self._turns], "token_ids": list(self._ids),
+                "digest": _digest(path, self._ids)}
         tmp = side + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(data, f, ensure_ascii=False, indent=1)
         try:
-            self.cache.save(path)
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(data, f, ensure_ascii=False, indent=1)
             os.replace(tmp, side)
         except BaseException:
             if os.path.exists(tmp):
@@ -401,10 +430,13 @@ class ChatSession:
         """Replace the conversation and the cache with those :meth:`save` wrote to ``path`` (+ ``.json``).
 
         Checked before anything changes: the JSON (format, version, messages,
-        token ids in the vocabulary), the cache file (``KVCache.load``: magic,
-        version, checksum, ...), and that its geometry is this model's (layers,
-        batch 1, kv heads, head sizes, dtype, sliding windows) and it holds
-        exactly the JSON's token ids. The loaded cache takes its pages from the
+        token ids in the vocabulary, digest), the cache file (``KVCache.load``:
+        magic, version, checksum, ...), that its geometry is this model's
+        (layers, batch 1, kv heads, head sizes, dtype, sliding windows), that
+        it holds as many tokens as the JSON lists and that the JSON's
+        ``digest`` is that of this cache file and these token ids (an edited
+        ``token_ids`` or the JSON of another save would leave the cache
+        holding K/V of other tokens than the conversation says). The loaded cache takes its pages from the
         current cache's pool and keeps the page size, quantization and
         capacity it was saved with (:attr:`max_positions` follows the capacity).
 
@@ -422,7 +454,7 @@ class ChatSession:
         except (OSError, ValueError) as e:
             raise ValueError(f"chat.load: {side!r}; expected the conversation /save writes next to the cache file, "
                              f"got {type(e).__name__}: {e}") from None
-        system, turns, ids = self._check_sidecar(data, side)
+        system, turns, ids, digest = self._check_sidecar(data, side)
         cache = KVCache.load(path, pool=self.cache.pool)
         try:
             for key in _GEOMETRY:
@@ -434,6 +466,13 @@ class ChatSession:
             if held != len(ids):
                 raise ValueError(f"chat.load: {path!r} holds {held} tokens but {side!r} lists {len(ids)} token ids; "
                                  f"expected the pair /save wrote; the current conversation is kept")
+            if not (isinstance(digest, str) and len(digest) == 64):
+                raise ValueError(f"chat.load: {side!r}; expected \"digest\": the sha256 /save writes (of the cache "
+                                 f"file and the token ids), got {digest!r}; the current conversation is kept")
+            if _digest(path, ids) != digest:   # the K/V of other tokens than the listed ones
+                raise ValueError(f"chat.load: {side!r} does not describe {path!r} (sha256 of the cache file and the "
+                                 f"token ids differs from its \"digest\"); expected the pair /save wrote; the "
+                                 f"current conversation is kept")
         except BaseException:
             cache.close()
             raise
@@ -465,7 +504,7 @@ class ChatSession:
         out = [t for t in ids if t < 0 or (vocab is not None and t >= vocab)]
         if out:
             raise bad(f'"token_ids" in [0, {vocab}) (the model\'s vocabulary), got {out[0]}')
-        return system, [{"role": m["role"], "content": m["content"]} for m in turns], list(ids)
+        return system, [{"role": m["role"], "content": m["content"]} for m in turns], list(ids), data.get("digest")
 
     def close(self) -> None:
         """Release the cache and a temporary conversion. Idempotent."""
