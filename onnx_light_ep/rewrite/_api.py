@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import onnx
 from onnx import TensorProto
 
-from ._config_windows import config_windows
+from ._config_windows import MAX_WINDOW, config_windows
 from ._convert import attempt
 from ._graph import FLOAT_TYPES, external_data_files
 from ._metadata import write_metadata
@@ -178,6 +178,10 @@ def convert(input_path, output_path, *, keep_present: Sequence[str] = (), slidin
     if os.path.isdir(src) and stage is not None:
         raise ConvertError(f"convert: stage; expected None for the folder {src!r} (a folder converts as a "
                            f"prefill/decode pair, both stages), got {stage!r} (stage names the role of one graph file)")
+    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
+                                       or not 0 < sliding_window <= MAX_WINDOW):
+        raise ConvertError(f"convert: sliding_window; expected a positive int <= {MAX_WINDOW} (the longest sequence "
+                           f"a KVCache holds) or None, got {sliding_window!r}")
     if os.path.isdir(src):
         from ._pair import convert_pair
 
@@ -186,8 +190,6 @@ def convert(input_path, output_path, *, keep_present: Sequence[str] = (), slidin
     if not os.path.isfile(src):
         raise FileNotFoundError(f"convert: input_path; expected an ONNX file, got {src!r} "
                                 f"({'a folder' if os.path.isdir(src) else 'not found'})")
-    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window <= 0):
-        raise ConvertError(f"convert: sliding_window; expected a positive int or None, got {sliding_window!r}")
     base_dir = os.path.dirname(os.path.abspath(src))
     try:
         original = onnx.load(src, load_external_data=False)

@@ -23,13 +23,18 @@ import json
 import os
 from typing import List, Optional
 
-__all__ = ["config_windows"]
+__all__ = ["MAX_WINDOW", "config_windows"]
+
+#: the longest sequence a KVCache holds (its max_sequence_length limit): a longer window never evicts, and
+#: KVCache refuses it as a layer's sliding_window
+MAX_WINDOW = 1 << 24
 
 
 def config_windows(model_dir: str) -> Optional[List[Optional[int]]]:
     """Window per layer (None = full attention) from ``model_dir/config.json``, or None when it names none.
 
-    Raises nothing: a missing, unreadable or unrelated config gives None.
+    Raises nothing: a missing, unreadable or unrelated config gives None, and so does a window longer than
+    :data:`MAX_WINDOW` (no sequence reaches it: the layers attend to every position).
     """
     try:
         with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
@@ -42,6 +47,8 @@ def config_windows(model_dir: str) -> Optional[List[Optional[int]]]:
         cfg = cfg["text_config"]
     window = cfg.get("sliding_window")
     if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+        return None
+    if window > MAX_WINDOW:   # longer than any sequence: full attention (and no cache could take it)
         return None
     if cfg.get("use_sliding_window") is False:
         return None
