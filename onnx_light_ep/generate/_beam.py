@@ -64,7 +64,7 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 
 
 def check_beam_arguments(num_beams, length_penalty, early_stopping, num_return_sequences, *,
-                         temperature: float = 0.0, stream=None) -> bool:
+                         temperature: float = 0.0, stream=None, where: str = "generate") -> bool:
     """Validate the beam-search arguments of ``generate``; True when beam search is asked for (``num_beams >= 2``).
 
     Raises:
@@ -77,16 +77,16 @@ def check_beam_arguments(num_beams, length_penalty, early_stopping, num_return_s
     """
     for name, value in (("num_beams", num_beams), ("num_return_sequences", num_return_sequences)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-            raise ValueError(f"generate: {name}; expected an integer >= 1, got {value!r}")
+            raise ValueError(f"{where}: {name}; expected an integer >= 1, got {value!r}")
     if num_return_sequences > num_beams:
-        raise ValueError(f"generate: num_return_sequences; expected at most num_beams ({num_beams}), got "
+        raise ValueError(f"{where}: num_return_sequences; expected at most num_beams ({num_beams}), got "
                          f"{num_return_sequences}")
     if isinstance(length_penalty, bool) or not isinstance(length_penalty, (int, float, np.floating)) \
             or not math.isfinite(length_penalty):
-        raise ValueError(f"generate: length_penalty; expected a finite number (1.0 = score / length), got "
+        raise ValueError(f"{where}: length_penalty; expected a finite number (1.0 = score / length), got "
                          f"{length_penalty!r}")
     if not (early_stopping is True or early_stopping is False or early_stopping == "never"):
-        raise ValueError(f"generate: early_stopping; expected True, False or 'never', got {early_stopping!r}")
+        raise ValueError(f"{where}: early_stopping; expected True, False or 'never', got {early_stopping!r}")
     if num_beams < 2:
         return False
     if temperature > 0:
@@ -130,9 +130,13 @@ class BeamSearch:
 
     def __init__(self, num_beams: int, eos_token_ids: Sequence[int], max_new_tokens: int,
                  length_penalty: float = 1.0, early_stopping: Union[bool, str] = False):
+        from ._prepare import check_eos, check_positive_int
+
+        check_beam_arguments(num_beams, length_penalty, early_stopping, 1, where="BeamSearch")
         self.num_beams = int(num_beams)
-        self.eos = frozenset(int(e) for e in eos_token_ids)
-        self.max_new_tokens = int(max_new_tokens)
+        self.eos = frozenset(check_eos(eos_token_ids, "BeamSearch") or ())
+        self.max_new_tokens = check_positive_int(max_new_tokens, "BeamSearch", "max_new_tokens")
+        self.vocab: Optional[int] = None  # set by the first step
         self.length_penalty = float(length_penalty)
         self.early_stopping = early_stopping
         self.beams_to_keep = max(2, 1 + len(self.eos)) * self.num_beams
@@ -156,9 +160,15 @@ class BeamSearch:
         n = self.num_beams
         lp = np.asarray(log_probs, dtype=np.float64)
         if self.generated_length == 0:
+            if lp.ndim != 2 or lp.shape[0] < 1:
+                raise ValueError(f"BeamSearch.step: log_probs; expected float [N or 1, vocab] at the first step, got "
+                                 f"shape {list(lp.shape)}")
             lp = np.broadcast_to(lp[:1], (n, lp.shape[-1]))
-        if lp.ndim != 2 or lp.shape[0] != n:
-            raise ValueError(f"BeamSearch.step: log_probs; expected float [{n}, vocab], got shape {list(lp.shape)}")
+        if lp.ndim != 2 or lp.shape[0] != n or (self.vocab is not None and lp.shape[1] != self.vocab):
+            want = f"[{n}, {self.vocab}] (the first step's vocabulary)" if self.vocab is not None else f"[{n}, vocab]"
+            raise ValueError(f"BeamSearch.step: log_probs; expected float {want}, got shape {list(lp.shape)}")
+        if np.isnan(lp).any():   # a NaN would be ranked as a score; -inf (a masked token) is fine
+            raise ValueError("BeamSearch.step: log_probs; expected no NaN (the model's logits hold NaN)")
         vocab = lp.shape[1]
         k = self.beams_to_keep
         if k > n * vocab:
@@ -191,6 +201,7 @@ class BeamSearch:
                                                                                   self.next_tokens)]
         self.running_scores = masked[keep]
         self.generated_length = length
+        self.vocab = vocab
 
         # can a running beam still beat the worst finished one?
         if self.early_stopping == "never" and self.length_penalty > 0:
@@ -225,6 +236,10 @@ def run_beam(prep: Prepared, *, num_beams: int, max_new_tokens: int, length_pena
     from .. import KVCache
 
     stepper = CacheStepper(prep.session, prep.meta, "generate")
+    per_beam = max(2, 1 + len(prep.eos))
+    if prep.vocab is not None and per_beam > prep.vocab:
+        raise ValueError(f"generate: eos_token_ids; beam search keeps 1 + len(eos_token_ids) = {per_beam} candidates "
+                         f"per beam: expected fewer than {prep.vocab} ids (the vocabulary)")
     tok = prep.tokenizer
     opts = dict(cache_options or {})
     out_ids: List[List[int]] = []

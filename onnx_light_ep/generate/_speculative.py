@@ -92,7 +92,19 @@ def prompt_lookup_drafts(ids: Sequence[int], num_draft_tokens: int, max_ngram_si
     Returns:
         list of int, ``0 <= len <= num_draft_tokens``.
     """
-    seq = np.asarray(ids, dtype=np.int64).ravel()
+    from ._prepare import _is_int, check_eos, check_positive_int
+
+    where = "prompt_lookup_drafts"
+    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+        raise ValueError(f"{where}: ids; expected a sequence of integer token ids, got a {type(ids).__name__}")
+    ids = list(ids)
+    bad = next((t for t in ids if not _is_int(t)), None)
+    if bad is not None:
+        raise ValueError(f"{where}: ids; expected a sequence of integer token ids, got {bad!r}")
+    num_draft_tokens = check_positive_int(num_draft_tokens, where, "num_draft_tokens")
+    max_ngram_size = check_positive_int(max_ngram_size, where, "max_ngram_size")
+    eos_token_ids = check_eos(eos_token_ids, where) or set()
+    seq = np.asarray(ids, dtype=np.int64)
     n_ids = seq.size
     for n in range(min(int(max_ngram_size), n_ids - 1), 0, -1):
         windows = np.lib.stride_tricks.sliding_window_view(seq, n)

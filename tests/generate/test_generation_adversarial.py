@@ -90,3 +90,72 @@ def test_bad_text_prompts_are_refused(mini_decoder, tmp_path, prompt, match):
     assert generate(dst, "w6 w7", max_new_tokens=2, threads=1).texts is not None   # the tokenizer is found
     with pytest.raises(ValueError, match=r"generate: " + match):
         generate(dst, prompt, max_new_tokens=2, threads=1)
+
+
+@pytest.mark.parametrize("args,kw,match", [
+    ((0, [1], 5), {}, r"BeamSearch: num_beams; expected an integer >= 1, got 0"),
+    ((True, [1], 5), {}, r"BeamSearch: num_beams; expected an integer >= 1, got True"),
+    ((2, [1], 0), {}, r"BeamSearch: max_new_tokens; expected >= 1, got 0"),
+    ((2, [1], 2.5), {}, r"BeamSearch: max_new_tokens; expected an int >= 1, got 2.5"),
+    ((2, "12", 5), {}, r"BeamSearch: eos_token_ids; expected an int or a sequence of ints, got '12'"),
+    ((2, [1], 5), dict(length_penalty=float("nan")), r"BeamSearch: length_penalty; expected a finite number"),
+    ((2, [1], 5), dict(early_stopping="x"), r"BeamSearch: early_stopping; expected True, False or 'never'"),
+])
+def test_beam_search_bookkeeping_refuses_bad_settings(args, kw, match):
+    """BeamSearch is public: num_beams=0 was an IndexError at the first step, max_new_tokens=0 and eos '12'
+    (the ids '1', '2') were taken."""
+    from onnx_light_ep.generate import BeamSearch
+
+    with pytest.raises(ValueError, match=match):
+        BeamSearch(*args, **kw)
+
+
+def test_beam_search_step_refuses_bad_log_probs():
+    """NaN log-probabilities were ranked as scores, a 1-D first step and a vocabulary that changes between
+    steps were taken; -inf (a masked token) is fine."""
+    from onnx_light_ep.generate import BeamSearch
+
+    lp = np.log(np.full((1, 10), 0.1))
+    for bad, match in [(np.full((1, 10), np.nan), r"log_probs; expected no NaN"),
+                       (np.zeros(10), r"log_probs; expected float \[N or 1, vocab\] at the first step, got shape "
+                                      r"\[10\]"),
+                       (np.zeros((1, 1, 10)), r"got shape \[1, 1, 10\]")]:
+        with pytest.raises(ValueError, match=match):
+            BeamSearch(2, [1], 3).step(bad)
+    b = BeamSearch(2, [1], 3)
+    b.step(lp)
+    with pytest.raises(ValueError, match=r"log_probs; expected float \[2, 10\] \(the first step's vocabulary\), got "
+                                         r"shape \[2, 12\]"):
+        b.step(np.zeros((2, 12)))
+    masked = np.where(np.arange(10) < 5, -np.inf, 0.0)[None]
+    b = BeamSearch(2, [1], 3)
+    b.step(masked)
+    assert sorted(b.next_tokens.tolist()) == [5, 6]   # the first two unmasked ids, by index on a tie
+
+
+def test_every_token_an_eos_id_is_refused_before_the_prefill(mini_decoder):
+    """K = max(2, 1 + len(eos)) * N candidates need more tokens than eos ids: the error named
+    BeamSearch.step and came after the prefill; now it names eos_token_ids before anything runs."""
+    _, dst = mini_decoder(**KW)
+    with pytest.raises(ValueError, match=r"generate: eos_token_ids; beam search keeps 1 \+ len\(eos_token_ids\) = 51 "
+                                         r"candidates per beam: expected fewer than 50 ids \(the vocabulary\)"):
+        generate(dst, prompt_ids=[PROMPT], num_beams=2, max_new_tokens=3, eos_token_ids=list(range(50)))
+
+
+@pytest.mark.parametrize("args,match", [
+    (([1, 2, 1, 2], 0), r"num_draft_tokens; expected >= 1, got 0"),
+    (([1, 2, 1, 2], True), r"num_draft_tokens; expected an int >= 1, got True"),
+    (([1, 2, 1, 2], 3, 0), r"max_ngram_size; expected >= 1, got 0"),
+    (([1.5, 2, 1.5], 3), r"ids; expected a sequence of integer token ids, got 1.5"),
+    (([[1, 2], [1, 2]], 3), r"ids; expected a sequence of integer token ids, got \[1, 2\]"),
+    (("abcab", 3), r"ids; expected a sequence of integer token ids, got a str"),
+    (([1, 2, 3, 1, 2], 3, 3, 3), None),   # a single eos id is fine
+])
+def test_prompt_lookup_drafts_refuses_bad_arguments(args, match):
+    from onnx_light_ep.generate import prompt_lookup_drafts
+
+    if match is None:
+        assert prompt_lookup_drafts(*args) == []   # the draft after [1, 2] is 3, an eos id
+        return
+    with pytest.raises(ValueError, match=r"prompt_lookup_drafts: " + match):
+        prompt_lookup_drafts(*args)
