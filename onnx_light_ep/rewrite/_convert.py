@@ -29,6 +29,7 @@ length on axis 2.
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
@@ -59,6 +60,19 @@ class Attempt:
     commit_output: Optional[str] = None
 
 
+def _attrs_problem(attrs: dict) -> Optional[str]:
+    """Why CacheAttention (which checks them when ORT creates the session) cannot take a plan's attributes."""
+    scale = attrs.get("scale")
+    if scale is not None and not (math.isfinite(float(scale)) and float(scale) >= 0):
+        return f"scale {float(scale):g}: CacheAttention takes a finite scale >= 0 (0 = 1/sqrt(head_dim))"
+    softcap = attrs.get("softcap")
+    if softcap is not None and not (math.isfinite(float(softcap)) and float(softcap) >= 0):
+        return f"softcap {float(softcap):g}: CacheAttention takes a finite softcap >= 0 (0 = none)"
+    if int(attrs.get("is_causal", 0) or 0) not in (0, 1):
+        return f"is_causal={attrs['is_causal']}: expected 0 or 1"
+    return None
+
+
 def find_plans(ed: GraphEditor, sliding_window: Optional[int],
                config_windows: Optional[List[Optional[int]]] = None) -> Tuple[List[LayerPlan], List[Refusal]]:
     """All plans and refusals of the current graph, plans in node order.
@@ -79,6 +93,10 @@ def find_plans(ed: GraphEditor, sliding_window: Optional[int],
                             "" if had == sliding_window else " (not in the exported graph)"))
         if r is None and node.op_type == "Softmax":
             r = match_decomposed(ed, node, sliding_window)
+        if isinstance(r, LayerPlan):
+            problem = _attrs_problem(r.attrs)
+            if problem:   # a model whose session ORT would refuse: leave the attention as it is, say why
+                r = Refusal(r.anchor_name, r.pattern, problem)
         if isinstance(r, LayerPlan):
             plans.append(r)
         elif isinstance(r, Refusal):

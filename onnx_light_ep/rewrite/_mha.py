@@ -32,7 +32,9 @@ Refused (left as they are, with the reason): ``past_present_share_buffer`` /
 rejects both), packed QKV / KV and BNSH key/value (cross-attention) on
 ``MultiHeadAttention``, the ``[3B+2]`` and Megatron ``[B, 1, M, M]`` masks and a 1-D mask of
 unprovable length, a used ``qk`` output, presents without pasts, pasts that are not graph
-inputs, Q and K of provably different lengths.
+inputs, Q and K of provably different lengths, ``unidirectional`` other than 0/1, a NaN
+``mask_filter_value`` (and, for every pattern, ``_convert``: a negative or non-finite scale,
+which CacheAttention refuses when ORT creates the session).
 """
 
 from __future__ import annotations
@@ -108,6 +110,15 @@ def _padding_bias(ed: GraphEditor, mask: str, form: str, mfv: float, elem_type: 
     biased = ed.add_node1("Where", [keep, zero, fill], hint=f"{h}/padding_bias")
     axes = [1, 2] if form in ("1d", "2d") else [1]
     return unsqueeze(ed, biased, axes, f"{h}/padding_bias4")
+
+
+def _attr_problem(unidirectional: int, mask_filter_value: float) -> Optional[str]:
+    """Why CacheAttention cannot take these attribute values, or None."""
+    if unidirectional not in (0, 1):
+        return f"unidirectional={unidirectional}: expected 0 or 1 (its meaning for other values is not documented)"
+    if math.isnan(mask_filter_value):
+        return "mask_filter_value nan: expected a number (NaN scores poison every padded row)"
+    return None
 
 
 def _past_input(ed: GraphEditor, name: str) -> Optional[str]:
@@ -205,6 +216,9 @@ def match_mha(ed: GraphEditor, node: onnx.NodeProto) -> Union[LayerPlan, Refusal
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     mfv = float(attr(node, "mask_filter_value", DEFAULT_MASK_FILTER_VALUE))
     uni = int(attr(node, "unidirectional", 0) or 0)
+    problem = _attr_problem(uni, mfv)
+    if problem:
+        return refuse(problem)
     attrs = {"q_num_heads": n, "kv_num_heads": n, "scale": scale, "is_causal": uni}
     notes = []
     if kpm:
@@ -298,6 +312,9 @@ def match_ms_attention(ed: GraphEditor, node: onnx.NodeProto) -> Union[LayerPlan
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     mfv = float(attr(node, "mask_filter_value", DEFAULT_MASK_FILTER_VALUE))
     uni = int(attr(node, "unidirectional", 0) or 0)
+    problem = _attr_problem(uni, mfv)
+    if problem:
+        return refuse(problem)
     attrs = {"q_num_heads": n, "kv_num_heads": n, "scale": scale, "is_causal": uni}
     notes = ["QKV projection (input x weights + bias) and its split into Q/K/V moved in front of the attention; "
              "the stacked past/present [2, B, N, T, D] replaced by the cache"]
