@@ -113,7 +113,10 @@ class PrefixCache:
     nothing else holds them.
 
     Thread safety: every method takes one lock; requests on other threads may
-    match, insert and evict concurrently (each runs on its own cache).
+    match, insert and evict concurrently (each runs on its own cache); a
+    request of ``generate`` that matched before another thread's
+    :meth:`clear` or :meth:`close` finishes on its own cache (after a close
+    its blocks are not inserted).
     Lifetime: :meth:`close` / ``with`` releases every entry (the pool can then
     be closed); :meth:`clear` releases them and keeps the object usable.
     """

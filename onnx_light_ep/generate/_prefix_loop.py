@@ -95,7 +95,11 @@ def run_prefixed(prep: Prepared, pc: PrefixCache, *, model, max_new_tokens: int,
             else:
                 generated.append(t)
             if step == 0:
-                pc.insert(model, row, cache, meta=prep.meta, cache_options=cache_options)
+                try:
+                    pc.insert(model, row, cache, meta=prep.meta, cache_options=cache_options)
+                except ValueError:
+                    if not pc.closed:
+                        raise   # closed meanwhile (another thread): this request's cache is its own, go on
             if stream is not None and tok is not None:
                 text = tok.decode(generated)
                 if text.startswith(shown) and len(text) > len(shown) and not text.endswith("\ufffd"):
