@@ -160,6 +160,10 @@ class ChatSession:
             raise ValueError(f"chat: system; expected text or None, got {type(system).__name__}")
         check_cache_options(cache_options)
         check_sampling(temperature, top_k, top_p, seed, where="chat")
+        if max_sequence_length is not None and (isinstance(max_sequence_length, bool) or not isinstance(
+                max_sequence_length, (int, np.integer)) or max_sequence_length < 1):
+            raise ValueError(f"chat: max_sequence_length; expected an int >= 1 (cache capacity in tokens) or None "
+                             f"(the model's onnx_light.max_position), got {max_sequence_length!r}")
         try:
             self._prep = prepare(model, max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids,
                                  tokenizer_dir=tokenizer_dir, session=session, threads=threads,

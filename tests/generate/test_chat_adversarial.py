@@ -26,6 +26,10 @@ def _consistent(chat):
     (dict(seed="x"), r"chat: seed; expected an int >= 0 or None, got 'x'"),
     (dict(threads=-2), r"chat: threads; expected an int >= 0 or None"),
     (dict(eos_token_ids="2"), r"chat: eos_token_ids; expected an int or a sequence of ints, got '2'"),
+    (dict(max_sequence_length=0), r"chat: max_sequence_length; expected an int >= 1 \(cache capacity in tokens\) "
+                                  r"or None \(the model's onnx_light.max_position\), got 0"),
+    (dict(max_sequence_length=True), r"chat: max_sequence_length; expected an int >= 1 .*got True"),
+    (dict(max_sequence_length=64.0), r"chat: max_sequence_length; expected an int >= 1 .*got 64.0"),
 ])
 def test_bad_session_arguments_are_refused(mini_decoder, kw, match):
     _, dst = mini_decoder(**KW)
