@@ -80,8 +80,9 @@ def check_pair_metadata(prefill: Dict[str, Any], decode: Dict[str, Any], where: 
     """Raise ``ValueError`` unless two converted graphs can run on one ``KVCache`` as prefill and decode.
 
     They must agree on :data:`PAIR_KEYS` and on each layer's ``local_window_size``, keep no
-    past as a tensor (``tensor_pairs`` empty), and not be marked for the other role
-    (``onnx_light.stage``).
+    past as a tensor (``tensor_pairs`` empty), not be marked for the other role
+    (``onnx_light.stage``), and every layer of the decode graph must have had a past input
+    (a graph without pasts starts a cache: given as the decode graph, the files are swapped).
     """
     for meta, want in ((prefill, "prefill"), (decode, "decode")):
         got = meta.get("stage")
@@ -92,6 +93,12 @@ def check_pair_metadata(prefill: Dict[str, Any], decode: Dict[str, Any], where: 
             raise ValueError(f"{where}: the {want} graph still carries past/present tensors "
                              f"{meta['tensor_pairs'][0]} outside the cache (a layer convert left as it was); a pair "
                              f"needs every layer in the cache")
+    for i, layer in enumerate(decode.get("layers") or []):
+        if "past_key" in layer and not layer["past_key"]:   # a graph that starts a cache cannot continue one
+            raise ValueError(f"{where}: the decode graph's layer {i} has no past input (pattern "
+                             f"{layer.get('pattern')!r}): a decode graph continues the cache the prefill graph "
+                             f"started; expected {DECODE_FILE} to take the pasts (are {PREFILL_FILE} and "
+                             f"{DECODE_FILE} swapped?)")
     bad = [(k, prefill.get(k), decode.get(k)) for k in PAIR_KEYS if prefill.get(k) != decode.get(k)]
     windows = [[x.get("local_window_size", -1) for x in m.get("layers", [])] for m in (prefill, decode)]
     if windows[0] != windows[1]:
