@@ -8,6 +8,7 @@ three weight seeds):
 - speculative decoding (prompt lookup, or another seed's model / the target itself as the draft) == plain
   greedy decoding, random K (up to beyond max_new_tokens), n-gram sizes, EOS sets, page sizes, and a windowed
   model (window 8): the token ids and finished flags identical;
+- chat turns == greedy decoding after one prefill of the whole conversation (random kept prefixes);
 - PrefixCache requests == uncached runs over random prompt sets sharing random prefixes, random block sizes,
   page sizes, max_bytes budgets and pool limits, two models on one PrefixCache; afterwards the pool holds no
   page and no cache (live_bytes 0, num_caches 0): nothing leaks.
@@ -115,3 +116,31 @@ def test_prefix_cache_requests_equal_uncached_runs_and_leak_nothing(models, data
             assert budget is None or stats["bytes"] <= budget, stats
     assert pool.stats()["live_bytes"] == 0 and pool.stats()["num_caches"] == 0, pool.stats()
     pool.close()
+
+
+@settings(max_examples=60, **SETTINGS)
+@given(data=st.data(), eos=st.lists(ids, max_size=3, unique=True), turns=st.integers(1, 6))
+def test_chat_turns_equal_one_prefill_of_the_whole_conversation(models, data, eos, turns):
+    """Each turn keeps a random prefix of what the cache holds and appends random ids (a re-rendered
+    conversation truncates the cache): the answer is greedy decoding after one prefill of the whole
+    conversation, and the cache holds exactly token_ids afterwards (or, past the positions, nothing changed)."""
+    from onnx_light_ep.chat import ChatPositionLimitError, ChatSession
+
+    dst = models[0][1]
+    with ChatSession(dst, max_new_tokens=6, eos_token_ids=eos, threads=1) as chat:
+        for _ in range(turns):
+            held = chat.token_ids
+            keep = data.draw(st.integers(0, len(held)))
+            conversation = held[:keep] + data.draw(st.lists(ids, min_size=0 if keep else 1, max_size=10))
+            max_new = data.draw(st.integers(1, 8))
+            if len(conversation) >= 64:
+                with pytest.raises(ChatPositionLimitError):
+                    chat.send_ids(conversation, max_new_tokens=max_new)
+                assert chat.token_ids == held
+                continue
+            turn = chat.send_ids(conversation, max_new_tokens=max_new)
+            want = generate(dst, prompt_ids=[conversation], max_new_tokens=min(max_new, 64 - len(conversation)),
+                            eos_token_ids=eos, threads=1)
+            assert turn.token_ids == want.token_ids[0]
+            assert chat.token_ids == conversation + turn.token_ids
+            assert chat.cache.seq_lens.tolist() == [len(chat.token_ids)]
