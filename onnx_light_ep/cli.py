@@ -307,6 +307,12 @@ def _cmd_chat(args: argparse.Namespace) -> int:
                 import readline  # noqa: F401  (line editing and history for input())
             except ImportError:
                 pass
+            # Ctrl-C stops an answer. A process started in the background of a non-interactive shell
+            # (nohup, `cmd &` in a script) inherits SIGINT ignored, and Python then installs no
+            # KeyboardInterrupt handler: install it, since this loop is interactive.
+            import signal
+
+            signal.signal(signal.SIGINT, signal.default_int_handler)
         return run_chat(chat, stats=args.stats)
 
 
