@@ -173,6 +173,10 @@ class ChatSession:
                 raise type(e)("chat: " + str(e)[len("generate: "):]) from None
             raise
         try:
+            if max_sequence_length is None and not self._prep.max_position:
+                raise ValueError("chat: max_sequence_length; the model records no onnx_light.max_position (no "
+                                 "rotary table to read it from): expected the cache capacity in tokens "
+                                 "(max_sequence_length=N; CLI --max-sequence-length N)")
             self._stepper = CacheStepper(self._prep.session, self._prep.meta, "chat")
             self.cache = KVCache.for_model(self._prep.path, 1, max_sequence_length, **(cache_options or {}))
         except BaseException:

@@ -12,7 +12,7 @@ class Progress:
 
     def __init__(self, total: int, enabled: bool):
         self.bar, self.enabled = None, enabled
-        if enabled:
+        if enabled and sys.stderr.isatty():   # a bar only on a terminal; logs get plain lines
             try:
                 from tqdm import tqdm
 
@@ -41,7 +41,7 @@ class PrefillProgress:
 
     def __init__(self, total: int, enabled: bool):
         self.bar, self.enabled, self.total, self.done = None, enabled, total, 0
-        if enabled:
+        if enabled and sys.stderr.isatty():   # a bar only on a terminal; logs get plain lines
             try:
                 from tqdm import tqdm
 

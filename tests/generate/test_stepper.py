@@ -122,3 +122,14 @@ def test_generate_summary_line_names_prompt_cached_new_and_stop(mini_decoder, ca
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith("prompt 4 tokens (0 cached), 5 new tokens, stop: max-new-tokens; prefill "), last
     assert "tokens/s); decode " in last and last.endswith("on OnnxLightExecutionProvider"), last
+
+
+def test_chat_without_a_position_table_names_the_capacity_flag(mini_decoder):
+    """A converted model with no rotary table records no max_position: ChatSession (and the CLI) say to pass
+    the capacity, naming max_sequence_length / --max-sequence-length."""
+    from onnx_light_ep.chat import ChatSession
+
+    _, dst = mini_decoder()
+    assert "max_position" not in read_metadata(dst)
+    with pytest.raises(ValueError, match=r"chat: max_sequence_length; .*--max-sequence-length N"):
+        ChatSession(dst)
