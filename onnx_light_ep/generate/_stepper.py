@@ -14,7 +14,7 @@ cache handle. ``L`` is read from the cache itself (``KVCache.seq_lens``), so a
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Tuple
 
 import numpy as np
 
@@ -70,6 +70,13 @@ class CacheStepper:
     def check_ids(self, cache, ids) -> np.ndarray:
         """``ids`` as int64 ``[B, S]`` after checking them against the model and ``cache`` (nothing runs).
 
+        See :meth:`_checked` for what is checked.
+        """
+        return self._checked(cache, ids)[0]
+
+    def _checked(self, cache, ids) -> Tuple[np.ndarray, int]:
+        """:meth:`check_ids` plus the past length ``L`` it read (one ``seq_lens`` read per run).
+
         Raises:
             ValueError: not integers (floats would be truncated, bools and text
                 are not ids), not ``[cache.batch_size, S >= 1]``, outside
@@ -105,7 +112,7 @@ class CacheStepper:
             why = "; ".join(w for n, w in limits if n == room)
             raise ValueError(f"{self.where}: input_ids; the cache holds {past} positions and the run adds "
                              f"{arr.shape[1]}: expected at most {room} in all ({why})")
-        return arr
+        return arr, past
 
     def past_length(self, cache) -> int:
         """``L``: the positions every row of ``cache`` holds (``ValueError`` if the rows differ)."""
@@ -117,9 +124,8 @@ class CacheStepper:
 
     def feeds(self, cache, ids: np.ndarray) -> Dict[str, np.ndarray]:
         """The inputs of one run of ``ids`` (int ``[B, S]``) after the positions ``cache`` holds."""
-        ids = self.check_ids(cache, ids)
+        ids, past = self._checked(cache, ids)
         b, s = ids.shape
-        past = self.past_length(cache)
         t = self._types
 
         def as_type(name, value):
