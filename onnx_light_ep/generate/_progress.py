@@ -1,4 +1,4 @@
-"""Progress output of the generation loops."""
+"""Progress output of the generation loops: a tqdm bar on a terminal, plain stderr lines otherwise."""
 
 from __future__ import annotations
 
@@ -7,18 +7,31 @@ import sys
 __all__ = ["PrefillProgress", "Progress"]
 
 
-class Progress:
-    """tqdm bar (if installed) or a stderr line every 32 tokens; ``close()`` ends it."""
+class _Bar:
+    """A tqdm bar (``desc``, ``total`` tokens) when enabled, tqdm is installed and stderr is a terminal
+    (logs get plain lines instead); ``close()`` ends it."""
 
-    def __init__(self, total: int, enabled: bool):
-        self.bar, self.enabled = None, enabled
-        if enabled and sys.stderr.isatty():   # a bar only on a terminal; logs get plain lines
+    def __init__(self, total: int, enabled: bool, desc: str):
+        self.bar, self.enabled, self.total = None, enabled, total
+        if enabled and sys.stderr.isatty():
             try:
                 from tqdm import tqdm
 
-                self.bar = tqdm(total=total, desc="generate", unit="tok", leave=False)
+                self.bar = tqdm(total=total, desc=desc, unit="tok", leave=False)
             except ImportError:
                 pass
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+class Progress(_Bar):
+    """Generated tokens: the bar, or a stderr line every 32 tokens; ``__call__(i)`` after token ``i``."""
+
+    def __init__(self, total: int, enabled: bool):
+        super().__init__(total, enabled, "generate")
 
     def __call__(self, i: int) -> None:
         if self.bar is not None:
@@ -26,28 +39,17 @@ class Progress:
         elif self.enabled and (i + 1) % 32 == 0:
             print(f"generate: {i + 1} tokens", file=sys.stderr, flush=True)
 
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
 
-
-class PrefillProgress:
-    """Prompt tokens prefilled: a tqdm bar (if installed) or a stderr line per run; ``close()`` ends it.
+class PrefillProgress(_Bar):
+    """Prompt tokens prefilled: the bar, or a stderr line per run.
 
     ``__call__(done)`` takes the tokens prefilled so far (``CacheStepper.prefill``'s
     ``progress`` gives them run by run).
     """
 
     def __init__(self, total: int, enabled: bool):
-        self.bar, self.enabled, self.total, self.done = None, enabled, total, 0
-        if enabled and sys.stderr.isatty():   # a bar only on a terminal; logs get plain lines
-            try:
-                from tqdm import tqdm
-
-                self.bar = tqdm(total=total, desc="prefill", unit="tok", leave=False)
-            except ImportError:
-                pass
+        super().__init__(total, enabled, "prefill")
+        self.done = 0
 
     def __call__(self, done: int) -> None:
         if self.bar is not None:
@@ -55,8 +57,3 @@ class PrefillProgress:
         elif self.enabled:
             print(f"generate: prefill {done}/{self.total} tokens", file=sys.stderr, flush=True)
         self.done = done
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None

@@ -45,42 +45,12 @@ def test_gemma3_torch_onnx_export_windows_from_config_json(tmp_path):
     of 18 layers, reported), the converted model gives plain ORT's greedy tokens over a 2100-token
     prompt (4 windows long) and 16 steps, and its sliding layers' pages stop growing with the context
     while the 3 full-attention layers' grow."""
-    import numpy as np
-
-    from onnx_light_ep import InferenceSession, KVCache
-    from onnx_light_ep.generate import CacheStepper
     from onnx_light_ep.rewrite import convert
 
     src = gemma3.ensure_gemma3_dynamo_onnx(progress=False) / "model.onnx"
     dst = tmp_path / "model.onnx"
     report = convert(str(src), str(dst))
-    windows = [x["local_window_size"] for x in read_metadata(str(dst))["layers"]]
-    assert windows == [-1 if i % 6 == 5 else 512 for i in range(18)]
-    assert "sliding windows: layers 0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 12, 13, 14, 15, 16: 512" in str(report)
-
-    tok = TextTokenizer.find([str(src.parent)])
-    bos = tok.prefix_ids()
-    text = tok.encode("\n\n".join(topics.topics[k] for k in sorted(topics.topics)))
-    # compare() would hold the prefill's logits for every position (2100 x 262144 fp32 per side):
-    # run both sides in prefill chunks of 300 and compare the logits of each chunk, then 16 greedy steps
-    want, got, max_abs = _chunked_greedy_pair(str(src), str(dst), bos + text[:2099], chunk=300, steps=16)
-    assert got == want, (got, want)
-    assert max_abs <= 1e-3, max_abs  # fp32, |logits| up to ~40 over 262144 entries: same bound as compare's rtol
-
-    sess = InferenceSession(str(dst))
-    stepper = CacheStepper(sess, read_metadata(str(dst)))
-    with KVCache.for_model(sess, 1, 8192) as cache:
-        page = cache.page_tokens
-        held = []
-        for start in range(0, 4096, 1024):
-            stepper.run(cache, np.array([text[start:start + 1024]]))
-            held.append([len(cache._page_ids(layer, 0, 0)) for layer in range(18)])
-        for layer, w in enumerate(windows):
-            pages = [h[layer] for h in held]
-            if w > 0:  # at most the window plus two pages, from the first chunk on
-                assert max(pages) <= -(-512 // page) + 2, (layer, pages)
-            else:
-                assert pages == [1024 * (i + 1) // page for i in range(4)], (layer, pages)
+    _check_windowed_export(src, dst, report)
 
 
 def test_gemma3_optimum_export_windows_from_config_json(tmp_path):
@@ -91,11 +61,8 @@ def test_gemma3_optimum_export_windows_from_config_json(tmp_path):
     pages stop growing with the context while the 3 full-attention layers' grow."""
     import json
 
-    import numpy as np
     import onnx
 
-    from onnx_light_ep import InferenceSession, KVCache
-    from onnx_light_ep.generate import CacheStepper
     from onnx_light_ep.rewrite import convert
 
     folder = gemma3.ensure_gemma3_optimum_onnx(progress=False)
@@ -109,14 +76,27 @@ def test_gemma3_optimum_export_windows_from_config_json(tmp_path):
     dst = tmp_path / "model.onnx"
     report = convert(str(src), str(dst))
     assert report.patterns == ["Concat+decomposed"], report.patterns
+    _check_windowed_export(src, dst, report)
+
+
+def _check_windowed_export(src, dst, report):
+    """The checks both exports of the windows-in-the-mask kind share: windows 512 on 15 of 18 layers from
+    config.json (reported); plain ORT's greedy ids over a 2099-token prompt + 16 steps; the sliding layers'
+    pages bounded while the full-attention layers' grow."""
+    import numpy as np
+
+    from onnx_light_ep import InferenceSession, KVCache
+    from onnx_light_ep.generate import CacheStepper
+
     windows = [x["local_window_size"] for x in read_metadata(str(dst))["layers"]]
     assert windows == [-1 if i % 6 == 5 else 512 for i in range(18)]
     assert "sliding windows: layers 0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 12, 13, 14, 15, 16: 512" in str(report)
-
-    tok = TextTokenizer.find([str(folder)])
+    tok = TextTokenizer.find([str(src.parent)])
     bos = tok.prefix_ids()
     assert bos == [gemma3.BOS_TOKEN_ID]
     text = tok.encode("\n\n".join(topics.topics[k] for k in sorted(topics.topics)))
+    # compare() would hold the prefill's logits for every position (2100 x 262144 fp32 per side):
+    # run both sides in prefill chunks of 300 and compare the logits of each chunk, then 16 greedy steps
     want, got, max_abs = _chunked_greedy_pair(str(src), str(dst), bos + text[:2099], chunk=300, steps=16)
     assert got == want, (got, want)
     assert max_abs <= 1e-3, max_abs  # fp32, |logits| up to ~40 over 262144 entries: same bound as compare's rtol
