@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Iterable, List, Mapping, Optional, Sequence, Set
+from typing import Dict, FrozenSet, Iterable, List, Mapping, Optional, Sequence, Set
 
 __all__ = ["TextTokenizer", "eos_token_ids"]
 
@@ -49,6 +49,23 @@ def eos_token_ids(*folders: str) -> Set[int]:
     return ids
 
 
+_MAX_LOADED = 8
+_LOADED: Dict[tuple, "TextTokenizer"] = {}
+
+
+def _files_key(folder: str) -> tuple:
+    """(real path, (size, mtime_ns) of each tokenizer file or None): a changed file is a new key."""
+    parts = []
+    for name in ("tokenizer.json", "tokenizer_config.json", "genai_config.json", "generation_config.json",
+                 "config.json"):
+        try:
+            st = os.stat(os.path.join(folder, name))
+            parts.append((st.st_size, st.st_mtime_ns))
+        except OSError:
+            parts.append(None)
+    return (os.path.realpath(folder), tuple(parts))
+
+
 class TextTokenizer:
     """Text ⇄ token ids for one model folder.
 
@@ -61,37 +78,55 @@ class TextTokenizer:
         self._tok = backend
         self._kind = kind
         self._config = _read_json(os.path.join(folder, "tokenizer_config.json"))
-        self.eos_token_ids: Set[int] = eos_token_ids(folder)
+        ids = eos_token_ids(folder)
         eos = self._config.get("eos_token")
         if isinstance(eos, dict):
             eos = eos.get("content")
         if isinstance(eos, str):
             tid = self.token_to_id(eos)
             if tid is not None:
-                self.eos_token_ids.add(tid)
+                ids.add(tid)
+        # frozen: one loaded tokenizer serves every call in the process (find())
+        self.eos_token_ids: FrozenSet[int] = frozenset(ids)
 
     @classmethod
     def find(cls, folders: Iterable[str]) -> Optional["TextTokenizer"]:
         """The tokenizer of the first folder holding ``tokenizer.json``, or None.
 
-        None also when neither ``tokenizers`` nor ``transformers`` is installed.
+        None also when neither ``tokenizers`` nor ``transformers`` is installed. A folder's
+        tokenizer is loaded once per process and reused while its files are unchanged (same
+        size and modification time of tokenizer.json and tokenizer_config.json): parsing
+        SmolLM2's tokenizer.json takes ~0.2 s, which every generate() call paid before.
         """
         for d in folders:
             if not d or not os.path.isfile(os.path.join(d, "tokenizer.json")):
                 continue
-            try:
-                from tokenizers import Tokenizer
-
-                return cls(d, Tokenizer.from_file(os.path.join(d, "tokenizer.json")), "tokenizers")
-            except ImportError:
-                pass
-            try:
-                from transformers import AutoTokenizer
-
-                return cls(d, AutoTokenizer.from_pretrained(d), "transformers")
-            except Exception:
-                return None
+            key = _files_key(d)
+            hit = _LOADED.get(key)
+            if hit is not None:
+                return hit
+            tok = cls._load(d)
+            if tok is not None:
+                while len(_LOADED) >= _MAX_LOADED:
+                    _LOADED.pop(next(iter(_LOADED)))
+                _LOADED[key] = tok
+            return tok
         return None
+
+    @classmethod
+    def _load(cls, d: str) -> Optional["TextTokenizer"]:
+        try:
+            from tokenizers import Tokenizer
+
+            return cls(d, Tokenizer.from_file(os.path.join(d, "tokenizer.json")), "tokenizers")
+        except ImportError:
+            pass
+        try:
+            from transformers import AutoTokenizer
+
+            return cls(d, AutoTokenizer.from_pretrained(d), "transformers")
+        except Exception:
+            return None
 
     def token_to_id(self, token: str) -> Optional[int]:
         if self._kind == "tokenizers":
