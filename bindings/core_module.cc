@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "fma_peak.h"
 #include "kernels/attention.h"
 #include "kernels/stream_read.h"
 #include "kvcache/errors.h"
@@ -377,6 +378,36 @@ PYBIND11_MODULE(_core, m) {
       },
       "Reads every byte of a C-contiguous buffer once with the widest vector loads (the physical-limit probe of "
       "the benchmarks); returns a checksum.");
+  m.def(
+      "fma_peak",
+      [](const std::string& level, double ms, int trials) -> py::object {
+        double g;
+        {
+          py::gil_scoped_release nogil;
+          g = olep::bench::fma_peak(level, ms, trials);
+        }
+        return g < 0 ? py::object(py::none()) : py::object(py::float_(g));
+      },
+      py::arg("level"), py::arg("ms") = 50.0, py::arg("trials") = 5,
+      "Peak multiply-add throughput of one core at one ISA level, in GFMA/s (1e9 multiply-adds per second of "
+      "the calling thread's CPU time): the best of `trials` trials of ~`ms` ms each; None where the CPU lacks "
+      "the level. Levels: fma_peak_levels(). ValueError for an unknown level, ms outside (0, 10000] or "
+      "trials outside 1..1000. Releases the GIL; takes about trials x ms of CPU time.");
+  m.def(
+      "fma_peak_levels",
+      [] {
+        py::list out;
+        for (const auto& l : olep::bench::fma_levels()) {
+          py::dict d;
+          d["name"] = l.name;
+          d["what"] = l.what;
+          d["chains"] = l.chains;
+          d["supported"] = l.supported;
+          out.append(d);
+        }
+        return out;
+      },
+      "The levels fma_peak measures: [{name, what, chains, supported}] (supported: this CPU has them).");
   m.def("isa", [] { return std::string(olep::kernels::isa_name(olep::kernels::active_isa())); },
         "Attention kernel ISA level in use: 'scalar', 'avx2', 'avx512' or 'avx512_bf16'.");
   m.def("detected_isa", [] { return std::string(olep::kernels::isa_name(olep::kernels::detected_isa())); },

@@ -1,32 +1,27 @@
 #!/usr/bin/env python3
 """Decode-step benchmark: thin wrapper over ``onnx_light_ep.bench``.
 
-Same options as ``onnx-light bench``; additionally records the source
-revision (``$OLEP_SOURCE_REVISION``, else ``git describe --always --dirty`` of
-this checkout) in the JSON.
+Same options as ``onnx-light bench``; the source revision
+(``$OLEP_SOURCE_REVISION``, else ``git rev-parse`` of the checkout, else the
+package version: ``onnx_light_ep.bench.machine.source_revision``) is recorded in
+the JSON and in every table.
 
     python tools/bench_decode.py --quick                       # smoke test, < 1 min
     python tools/bench_decode.py --out-dir bench_out --benchmarks-md BENCHMARKS.md   # full run
 """
 
 import argparse
-import os
 import shlex
-import subprocess
 import sys
 
 from onnx_light_ep import bench
+from onnx_light_ep.bench import machine
 
 
 def _source_revision():
-    if os.environ.get("OLEP_SOURCE_REVISION"):  # e.g. when benchmarking a build of a snapshot
-        return os.environ["OLEP_SOURCE_REVISION"]
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    try:
-        return subprocess.run(["git", "-C", root, "describe", "--always", "--dirty"],
-                              capture_output=True, text=True, timeout=10).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
+    # $OLEP_SOURCE_REVISION (e.g. when benchmarking a build of a snapshot), else git rev-parse of
+    # the checkout the package is imported from, else the package version
+    return machine.source_revision()
 
 
 def main(argv=None):

@@ -77,7 +77,8 @@ def main(argv=None) -> int:
         if args.benchmarks_md:
             update_block(args.benchmarks_md, f"bench_generation_{name}",
                          "\n".join(head + result["sections"][name]["markdown"]
-                                   + ["", f"Section run took {(time.time() - t0) / 60:.1f} min."]))
+                                   + ["", f"Section run took {(time.time() - t0) / 60:.1f} min."]),
+                         machine=result["machine"])
     with open(os.path.join(args.out_dir, "bench_generation.json"), "w") as f:
         json.dump(result, f, indent=1)
     with open(os.path.join(args.out_dir, "bench_generation.md"), "w") as f:

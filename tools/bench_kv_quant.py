@@ -551,7 +551,7 @@ def main(argv=None) -> int:
     print("\n" + md)
     print(f"wrote {path}")
     if args.benchmarks_md:
-        report.update_block(args.benchmarks_md, "bench_kv_quant", md.rstrip("\n"))
+        report.update_block(args.benchmarks_md, "bench_kv_quant", md.rstrip("\n"), machine=result["machine"])
         print(f"updated block bench_kv_quant of {args.benchmarks_md}")
     return 0
 

@@ -158,7 +158,7 @@ def markdown(result, report):
 
 
 def update_md(path, result, report):
-    report.update_block(path, "bench_paged_kernel", markdown(result, report))
+    report.update_block(path, "bench_paged_kernel", markdown(result, report), machine=result["machine"])
 
 
 if __name__ == "__main__":

@@ -241,7 +241,7 @@ def main(argv=None):
     print(md)
     print(f"wrote {out / 'bench_sliding_window.json'} and {out / 'bench_sliding_window.md'}", file=sys.stderr)
     if args.benchmarks_md:
-        update_block(args.benchmarks_md, "bench_sliding_window", md)
+        update_block(args.benchmarks_md, "bench_sliding_window", md, machine=mach)
         print(f"updated {args.benchmarks_md} (block bench_sliding_window)", file=sys.stderr)
     return 0
 

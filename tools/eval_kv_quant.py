@@ -202,7 +202,7 @@ def main(argv=None):
         json.dump(result, f, indent=1)
     print(f"wrote {out}")
     if args.benchmarks_md:
-        report.update_block(args.benchmarks_md, "eval_kv_quant", markdown(result, argv))
+        report.update_block(args.benchmarks_md, "eval_kv_quant", markdown(result, argv), machine=result["machine"])
         print(f"updated {args.benchmarks_md}")
 
 

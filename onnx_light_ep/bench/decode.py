@@ -163,6 +163,53 @@ def add_ratios(result: Dict) -> None:
         result["small_vs_huge_pages"] = med["ep_kvcache_4k"] / med["ep_kvcache"]
 
 
+def step_macs(cfg: BenchConfig) -> Dict[str, int]:
+    """Multiply-adds of one decode step over all layers: per key, every query row does
+    ``head_dim`` for q.k and ``head_dim`` (= v_head_dim here) for P.V; one new token per sequence."""
+    rows = cfg.batch_size * cfg.q_num_heads * cfg.num_layers
+    return {"qk": rows * cfg.context_length * cfg.head_dim, "pv": rows * cfg.context_length * cfg.head_dim}
+
+
+def compute_ms(cfg: BenchConfig, machine: Dict, threads: int) -> Optional[float]:
+    """The step's multiply-adds at the measured one-core peak of the ISA level in use, split ideally
+    over ``threads`` cores; None when there is no peak for the level (scalar, or not measured).
+
+    q.k at the bf16 pair-dot peak (``bf16_avx512bf16``) where the avx512_bf16 level runs bf16 K
+    (VDPBF16PS), else at the fp32 FMA peak of the level's vector width; P.V always at the fp32 FMA
+    peak (scores, softmax and P.V accumulate in fp32; fp16/bf16 conversion is not counted)."""
+    from .machine import FP32_PEAK_LEVEL
+
+    peaks = machine.get("fma_peak_gfma_per_s") or {}
+    isa = machine.get("isa") or ""
+    fp32 = peaks.get(FP32_PEAK_LEVEL.get(isa, ""))
+    if not fp32:
+        return None
+    qk = peaks.get("bf16_avx512bf16") if isa == "avx512_bf16" and cfg.dtype == "bfloat16" else fp32
+    if not qk:
+        return None
+    m = step_macs(cfg)
+    return (m["qk"] / (qk * 1e9) + m["pv"] / (fp32 * 1e9)) * 1e3 / max(1, int(threads))
+
+
+def add_floors(rec: Dict, machine: Dict) -> None:
+    """Per run: ``compute_ms``, ``floor_ms`` = max(limit median, compute_ms), ``bound`` (read or
+    compute) and every candidate's ``x_floor`` (its median / floor_ms)."""
+    if rec.get("skipped") or rec.get("failed") or not rec.get("runs"):
+        return
+    cfg = _coerce(rec["config"])
+    rec["macs_per_step"] = step_macs(cfg)
+    for run in rec["runs"]:
+        comp = compute_ms(cfg, machine, run["threads"])
+        read = (run["candidates"].get("limit") or {}).get("median_ms")
+        run["compute_ms"] = comp
+        floor = max(x for x in (read, comp) if x is not None) if (read or comp) else None
+        run["floor_ms"] = floor
+        run["bound"] = None if floor is None else ("compute" if comp is not None and floor == comp else "read")
+        for v in run["candidates"].values():
+            if v.get("median_ms") is not None and floor:
+                v["x_floor"] = v["median_ms"] / floor
+
+
 # -- one configuration ----------------------------------------------------------
 
 def _build(key: str, data, threads: Sequence[int]):
@@ -244,7 +291,14 @@ def _run_rounds(active: Dict[str, cands.Candidate], threads: Sequence[int], warm
             k, t = u
             c = active[k]
             t0 = time.perf_counter_ns()
-            c.step(t)
+            try:
+                c.step(t)
+            except Exception as e:  # this candidate is out of the run; the others go on
+                per_key[k]["error"] = f"error at round {r} ({t} threads): {type(e).__name__}: {str(e)[:300]}"
+                for uu in units:
+                    if uu[0] == k:
+                        rounds[uu] = -1
+                continue
             dt_ms = (time.perf_counter_ns() - t0) / 1e6
             per_unit[u]["samples_ms" if r >= unit_warmup[u] else "warmup_ms"].append(dt_ms)
             per_key[k]["measured_steps"] += r >= warmup  # steps between the stats snapshots
@@ -260,6 +314,8 @@ def _run_rounds(active: Dict[str, cands.Candidate], threads: Sequence[int], warm
             if gap_s:
                 time.sleep(gap_s)
     for k, before in stats_before.items():
+        if "error" in per_key[k]:
+            continue
         after = active[k].cache_stats()
         n = max(1, per_key[k]["measured_steps"])
         per_key[k]["bytes_appended_per_step"] = (after["bytes_appended"] - before["bytes_appended"]) / n
@@ -341,8 +397,18 @@ def run_config(cfg: BenchConfig, threads: Sequence[int], *, candidates=CANDIDATE
             active[k] = c
         out["setup_s"] = time.perf_counter() - t0
         rec = _run_rounds(active, threads, warmup, reps, gap_s, slow_step_s)
+        for k, v in rec["keys"].items():
+            if "error" in v:
+                status[k] = {"status": v.pop("error")}
+                v["check_output"] = v["check_output_last"] = None
         for (k, t), u in rec["units"].items():
-            u["peak_rss_delta_bytes"] = _peak_memory_step(active[k], t)
+            if status[k]["status"] != "ok":
+                continue
+            try:
+                u["peak_rss_delta_bytes"] = _peak_memory_step(active[k], t)
+            except Exception as e:  # noqa: BLE001 - recorded, the measured samples stand
+                u["peak_rss_delta_bytes"] = None
+                u["note"] = f"peak-memory step failed: {type(e).__name__}: {str(e)[:200]}"
     finally:
         for c in active.values():
             c.close()
@@ -357,6 +423,8 @@ def run_config(cfg: BenchConfig, threads: Sequence[int], *, candidates=CANDIDATE
             if ut != t:
                 continue
             entry = run["candidates"][k]
+            if entry["status"] != "ok" or not u["samples_ms"]:
+                continue
             entry.update(summarize_samples(u["samples_ms"], cfg.num_layers))
             entry.update(u)
             entry.update({x: y for x, y in rec["keys"][k].items() if not x.startswith("check_output")})
@@ -443,7 +511,8 @@ def run_bench(configs: Optional[Iterable] = None, threads: Sequence[int] = (1, 2
     if warmup < 1 or reps < 1:
         raise ValueError(f"run_bench: warmup and reps; expected >= 1, got {warmup}, {reps}")
     cands.configure_sessions(allow_spinning)
-    machine = machine_info(measure_bandwidth=not quick)
+    machine = machine_info(measure_bandwidth=not quick, fma_ms=10.0 if quick else 50.0,
+                           fma_trials=2 if quick else 5)
     llc = machine.get("llc_bytes") or (32 << 20)
     cfgs = default_configs(quick, llc) if configs is None else [_coerce(c) for c in configs]
     cfgs = cfgs if grid else []
@@ -457,25 +526,46 @@ def run_bench(configs: Optional[Iterable] = None, threads: Sequence[int] = (1, 2
                 "metadata": dict(metadata or {}), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     result = {"machine": machine, "settings": settings, "results": []}
     t0 = time.perf_counter()
-    for i, cfg in enumerate(cfgs):
-        progress(f"[{i + 1}/{len(cfgs)}] {cfg.name()}{' (' + cfg.tag + ')' if cfg.tag else ''}")
-        rec = run_config(cfg, threads, candidates=candidates, warmup=warmup, reps=reps,
-                         memory_budget_bytes=memory_budget_bytes, llc_bytes=llc,
-                         slow_step_s=slow_step_s, progress=progress)
-        result["results"].append(rec)
-        if "elapsed_s" in rec:
-            progress(f"  ({rec['elapsed_s']:.1f} s, total {time.perf_counter() - t0:.0f} s)")
-        _write_json(result, out_dir)  # partial results survive an interrupted run
-    if e2e:
-        from .e2e import run_e2e
+    try:
+        for i, cfg in enumerate(cfgs):
+            progress(f"[{i + 1}/{len(cfgs)}] {cfg.name()}{' (' + cfg.tag + ')' if cfg.tag else ''}")
+            try:
+                rec = run_config(cfg, threads, candidates=candidates, warmup=warmup, reps=reps,
+                                 memory_budget_bytes=memory_budget_bytes, llc_bytes=llc,
+                                 slow_step_s=slow_step_s, progress=progress)
+            except Exception as e:  # this configuration failed; it is reported and the run goes on
+                rec = failed_record(cfg, llc, e)
+                progress(f"  FAILED {cfg.name()}: {rec['failed']}")
+            add_floors(rec, machine)
+            result["results"].append(rec)
+            if "elapsed_s" in rec:
+                progress(f"  ({rec['elapsed_s']:.1f} s, total {time.perf_counter() - t0:.0f} s)")
+            _write_json(result, out_dir)  # partial results survive an interrupted run
+        if e2e:
+            from .e2e import run_e2e
 
-        progress("[e2e] SmolLM2-135M end to end")
-        settings["e2e"] = {"contexts": list(e2e_contexts), "threads": list(e2e_threads)}
-        result["end_to_end"] = run_e2e(e2e_contexts, e2e_threads, warmup=3 if not quick else 1,
-                                       reps=16 if not quick else 3, work_dir=out_dir, progress=progress)
-    settings["elapsed_s"] = time.perf_counter() - t0
-    result["summary"] = report.summary(result)
-    _write_json(result, out_dir)
+            progress("[e2e] SmolLM2-135M end to end")
+            settings["e2e"] = {"contexts": list(e2e_contexts), "threads": list(e2e_threads)}
+
+            def keep(partial):  # every finished point is in the JSON at once
+                result["end_to_end"] = partial
+                _write_json(result, out_dir)
+
+            try:
+                result["end_to_end"] = run_e2e(e2e_contexts, e2e_threads, warmup=3 if not quick else 1,
+                                               reps=16 if not quick else 3, work_dir=out_dir,
+                                               progress=progress, on_point=keep, machine=machine,
+                                               quick=quick)
+            except Exception as e:  # e.g. the model could not be built: the grid's results stand
+                result.setdefault("end_to_end", {"runs": []})["failed"] = f"{type(e).__name__}: {str(e)[:500]}"
+                progress(f"  e2e FAILED: {result['end_to_end']['failed']}")
+    finally:  # also on KeyboardInterrupt: what was measured is written
+        settings["elapsed_s"] = time.perf_counter() - t0
+        try:
+            result["summary"] = report.summary(result)
+        except Exception as e:  # noqa: BLE001 - the raw results matter more than the summary
+            result["summary_error"] = f"{type(e).__name__}: {e}"
+        _write_json(result, out_dir)
     with open(os.path.join(out_dir, "bench_decode.md"), "w") as f:
         f.write(report.markdown(result))
     if plot and result["results"]:
@@ -484,6 +574,14 @@ def run_bench(configs: Optional[Iterable] = None, threads: Sequence[int] = (1, 2
             progress("note: no PNG written (matplotlib not installed: pip install matplotlib; "
                      "or no 1-thread multi-layer B=1 results to plot)")
     return result
+
+
+def failed_record(cfg: BenchConfig, llc_bytes: int, exc: BaseException) -> Dict:
+    """The JSON record of a configuration whose run raised: its config and the reason, no runs."""
+    ws = cfg.layer_bytes() * cfg.num_layers
+    return {"config": asdict(cfg), "name": cfg.name(), "working_set_bytes": ws, "llc_bytes": llc_bytes,
+            "working_set_x_llc": ws / llc_bytes, "runs": [],
+            "failed": f"{type(exc).__name__}: {str(exc)[:500]}"}
 
 
 def _write_json(result: Dict, out_dir: str) -> None:

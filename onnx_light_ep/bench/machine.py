@@ -3,8 +3,11 @@
 ``machine_info()`` returns a JSON-able dict: CPU model, cores, caches (lscpu
 and sysfs), memory, flags of interest, onnxruntime / numpy / onnx_light_ep
 versions, the native library path, the attention ISA in use
-(``_core.isa()``) and, optionally, the measured single- and two-thread
-streaming read bandwidth of ``_core.stream_read`` over a 512 MiB buffer.
+(``_core.isa()``), the machine kind (``machine_kind``: vendor, microarchitecture
+and vector ISA, the key of BENCHMARKS.md's per-machine blocks), the source
+revision (``source_revision``), the measured one-core multiply-add peak per ISA
+level (``_core.fma_peak``, GFMA/s) and, optionally, the measured single- and
+two-thread streaming read bandwidth of ``_core.stream_read`` over a 512 MiB buffer.
 """
 
 from __future__ import annotations
@@ -85,8 +88,82 @@ def read_bandwidth_gb_per_s(threads: int = 1, nbytes: int = 512 << 20, repeats: 
     return nbytes / best / 1e9
 
 
-def machine_info(measure_bandwidth: bool = True) -> Dict:
-    """JSON-able description of this machine and software stack."""
+# AMD family 0x19 / 0x1a and Intel family 6 server models -> microarchitecture (lscpu's
+# "CPU family" and "Model"; a hypervisor may hide the model name but passes these on).
+_AMD_FAMILIES = {23: "Zen 2", 26: "Zen 5"}
+_INTEL_MODELS = {85: "Skylake-SP/Cascade Lake", 106: "Ice Lake-SP", 143: "Sapphire Rapids",
+                 207: "Emerald Rapids", 173: "Granite Rapids"}
+
+
+def machine_kind(ls: Optional[Dict[str, str]] = None, flags: Optional[set] = None) -> str:
+    """Vendor, microarchitecture and widest vector ISA, e.g. ``AMD Zen 4 AVX-512``.
+
+    ``ls``: lscpu fields (default: this machine's); ``flags``: its CPU flags (default: lscpu's).
+    AMD family 25 is Zen 3 without AVX-512 and Zen 4 with it; an Intel model not in the table is
+    named by its family and model numbers (``Intel Xeon (family 6 model 167) AVX-512``).
+    """
+    ls = _lscpu() if ls is None else ls
+    flags = set(ls.get("Flags", "").split()) if flags is None else set(flags)
+    isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "SSE"
+    vendor, name = ls.get("Vendor ID", ""), ls.get("Model name", "") or platform.processor()
+    try:
+        family, model = int(ls.get("CPU family", "")), int(ls.get("Model", ""))
+    except ValueError:
+        family = model = None
+    if vendor == "AuthenticAMD":
+        arch = ("Zen 4" if "avx512f" in flags else "Zen 3") if family == 25 else _AMD_FAMILIES.get(family)
+        return f"AMD {arch or f'(family {family} model {model})'} {isa}"
+    if vendor == "GenuineIntel":
+        arch = _INTEL_MODELS.get(model) if family == 6 else None
+        short = "Xeon" if "Xeon" in name else "Core" if "Core" in name else "CPU"
+        return f"Intel {arch or f'{short} (family {family} model {model})'} {isa}"
+    return f"{name or platform.machine()} {isa}".strip()
+
+
+def source_revision() -> str:
+    """The source this package was built from: ``$OLEP_SOURCE_REVISION`` if set, else
+    ``git rev-parse --short=12 HEAD`` (``-dirty`` with uncommitted changes to tracked files)
+    when the package is imported from a git checkout of this project, else
+    ``onnx_light_ep <version>`` (an installed package)."""
+    from .. import __version__
+
+    if os.environ.get("OLEP_SOURCE_REVISION"):
+        return os.environ["OLEP_SOURCE_REVISION"]
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+    def git(*args):
+        return subprocess.run(["git", "-C", root, *args], capture_output=True, text=True, timeout=10)
+
+    try:
+        top = git("rev-parse", "--show-toplevel")
+        if (top.returncode == 0 and os.path.samefile(top.stdout.strip(), root)
+                and os.path.isfile(os.path.join(root, "pyproject.toml"))):
+            rev = git("rev-parse", "--short=12", "HEAD").stdout.strip()
+            if rev:
+                dirty = git("diff", "--quiet", "HEAD", "--").returncode == 1
+                return rev + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return f"onnx_light_ep {__version__}"
+
+
+#: ``_core.fma_peak`` level of the fp32 FMAs each attention ISA level runs (scalar: none).
+FP32_PEAK_LEVEL = {"avx2": "fp32_avx2", "avx512": "fp32_avx512", "avx512_bf16": "fp32_avx512"}
+
+
+def fma_peaks(ms: float = 50.0, trials: int = 5) -> Dict[str, Optional[float]]:
+    """{level: one-core GFMA/s, None where the CPU lacks it} for every ``_core.fma_peak`` level
+    (about ``levels x trials x ms`` of CPU time)."""
+    return {lv["name"]: (round(g, 1) if (g := _core.fma_peak(lv["name"], ms, trials)) else None)
+            for lv in _core.fma_peak_levels()}
+
+
+def machine_info(measure_bandwidth: bool = True, fma_ms: float = 50.0, fma_trials: int = 5) -> Dict:
+    """JSON-able description of this machine and software stack.
+
+    ``measure_bandwidth``: time ``stream_read`` at 1 and 2 threads (a few seconds);
+    ``fma_ms``/``fma_trials``: the FMA-peak measurement (``fma_peaks``; 0 ms: not measured).
+    """
     import onnxruntime as ort
 
     from .. import __version__, get_library_path
@@ -113,7 +190,11 @@ def machine_info(measure_bandwidth: bool = True) -> Dict:
         "library_path": get_library_path(),
         "isa": _core.isa(),
         "detected_isa": _core.detected_isa(),
+        "machine_kind": machine_kind(ls, flags),
+        "source_revision": source_revision(),
     }
+    if fma_ms:
+        info["fma_peak_gfma_per_s"] = fma_peaks(fma_ms, fma_trials)
     if measure_bandwidth:
         info["stream_read_gb_per_s"] = {str(t): round(read_bandwidth_gb_per_s(t), 2) for t in (1, 2)}
     return info

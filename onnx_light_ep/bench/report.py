@@ -59,11 +59,20 @@ def _row(rec: Dict, run: Dict) -> str:
     cells = [name,
              str(c["num_layers"]), f"{rec['working_set_bytes'] / 2**20:.0f}"]
     cells += [_cell(run["candidates"].get(k)) for k in _ORDER]
-    cells += [_ratio(ep.get("x_limit")), _ratio(run.get("paged_vs_block")),
+    cells += [_fmt(run.get("compute_ms"), ".3g"), _floor_cell(run)]
+    cells += [_ratio(ep.get("x_limit")), _ratio(ep.get("x_floor")), _ratio(run.get("paged_vs_block")),
               _ratio(ep.get("speedup_vs_ort_best"), "x") +
               (f" ({SHORT[best].replace('ORT ', '')})" if best and ep.get("speedup_vs_ort_best") else ""),
               _bytes_cell(ep)]
     return "| " + " | ".join(cells) + " |"
+
+
+def _floor_cell(run: Dict) -> str:
+    """floor ms with R (read-bound: the limit) or C (compute-bound) after it."""
+    f = run.get("floor_ms")
+    if f is None:
+        return ""
+    return f"{f:.3g} {'C' if run.get('bound') == 'compute' else 'R'}"
 
 
 def _bytes_cell(ep: Dict) -> str:
@@ -75,21 +84,41 @@ def _bytes_cell(ep: Dict) -> str:
 
 def _table(rows: List[str]) -> List[str]:
     head = (["config", "layers", "K+V MiB/step"] + [SHORT[k] + " ms" for k in _ORDER] +
-            ["EP ÷ limit", "paged ÷ one block", "EP speedup vs ORT best", "EP appended / copied per step"])
+            ["compute ms", "floor ms", "EP ÷ limit", "EP ÷ floor", "paged ÷ one block", "EP speedup vs ORT best", "EP appended / copied per step"])
     return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + rows
 
 
+_PEAK_NAMES = {"fp32_avx2": "fp32 FMA AVX2", "fp32_avx512": "fp32 FMA AVX-512",
+               "bf16_avx512bf16": "bf16 dot AVX512-BF16", "int16_avx2": "int16 dot AVX2",
+               "int16_avx512bw": "int16 dot AVX-512BW", "int16_avx512vnni": "int16 dot AVX512-VNNI"}
+
+
+def peaks_text(peaks: Optional[Dict]) -> str:
+    """``fp32 FMA AVX2 58.4, fp32 FMA AVX-512 111.3, ...`` (n/a where the CPU lacks a level)."""
+    if not peaks:
+        return "not measured"
+    return ", ".join(f"{_PEAK_NAMES.get(k, k)} {'n/a' if v is None else f'{v:.1f}'}" for k, v in peaks.items())
+
+
 def machine_lines(m: Dict) -> List[str]:
+    """The header every generated table carries: machine kind and model, ISA level in use, read
+    bandwidth, FMA peaks and the source revision it was measured with."""
     caches = ", ".join(f"{k} {v}" for k, v in m.get("lscpu_caches", {}).items())
     bw = m.get("stream_read_gb_per_s")
+    isa = m.get("isa")
+    forced = f", detected `{m.get('detected_isa')}`" if m.get("detected_isa") not in (None, isa) else ""
     return [
-        f"- CPU: {m.get('cpu_model')} ({m.get('num_cpus')} vCPUs, {m.get('threads_per_core')} thread/core, "
-        f"hypervisor {m.get('hypervisor')}); flags: {', '.join(m.get('cpu_flags', []))}",
-        f"- caches: {caches}; LLC used for planning: {m.get('llc_bytes', 0) / 2**20:.0f} MiB",
-        f"- memory: {m.get('mem_total_bytes', 0) / 2**30:.1f} GiB"
-        + (f"; stream_read bandwidth {bw.get('1')} GB/s (1 thread), {bw.get('2')} GB/s (2 threads)" if bw else ""),
-        f"- software: onnxruntime {m.get('onnxruntime')}, onnx_light_ep {m.get('onnx_light_ep')} "
-        f"(attention ISA `{m.get('isa')}`), numpy {m.get('numpy')}, Python {m.get('python')}, {m.get('platform')}",
+        f"- machine: {m.get('machine_kind', '?')}; CPU: {m.get('cpu_model')} ({m.get('num_cpus')} vCPUs, "
+        f"{m.get('threads_per_core')} thread/core, hypervisor {m.get('hypervisor')}); "
+        f"flags: {', '.join(m.get('cpu_flags', []))}",
+        f"- attention ISA level in use: `{isa}`{forced}",
+        f"- caches: {caches}; LLC used for planning: {(m.get('llc_bytes') or 0) / 2**20:.0f} MiB",
+        f"- memory: {(m.get('mem_total_bytes') or 0) / 2**30:.1f} GiB; stream_read bandwidth "
+        + (f"{bw.get('1')} GB/s (1 thread), {bw.get('2')} GB/s (2 threads)" if bw else "not measured")
+        + f"; one-core multiply-add peak (`_core.fma_peak`, GFMA/s): {peaks_text(m.get('fma_peak_gfma_per_s'))}",
+        f"- software: source {m.get('source_revision', '?')}, onnxruntime {m.get('onnxruntime')}, "
+        f"onnx_light_ep {m.get('onnx_light_ep')}, numpy {m.get('numpy')}, Python {m.get('python')}, "
+        f"{m.get('platform')}",
     ]
 
 
@@ -104,7 +133,8 @@ def _geomean(xs: List[float]) -> Optional[float]:
 
 def summary(result: Dict) -> Dict:
     """Headline rows and the thread / dtype ratios, computed from the runs (JSON-able)."""
-    multi = [r for r in result["results"] if not r.get("skipped") and not r["config"].get("tag")]
+    multi = [r for r in result["results"] if not r.get("skipped") and not r.get("failed")
+             and not r["config"].get("tag")]
     head, threads, dtypes = [], {}, []
     by_shape: Dict[tuple, Dict[str, Dict]] = {}
     for rec in multi:
@@ -120,6 +150,8 @@ def summary(result: Dict) -> Dict:
             head.append({"name": rec["name"], "layers": c["num_layers"],
                          "working_set_mib": rec["working_set_bytes"] / 2**20,
                          "limit_ms": _median(run, "limit"), "ep_kvcache_ms": ep.get("median_ms"),
+                         "compute_ms": run.get("compute_ms"), "floor_ms": run.get("floor_ms"),
+                         "bound": run.get("bound"), "ep_x_floor": ep.get("x_floor"),
                          "ep_x_limit": ep.get("x_limit"), "ort_best": best,
                          "ort_best_ms": _median(run, best) if best else None,
                          "ort_best_x_limit": (run["candidates"][best].get("x_limit") if best else None),
@@ -164,10 +196,10 @@ def summary_lines(sm: Dict) -> List[str]:
                  "the full tables follow)", ""]
         return lines + _ratio_lines(sm)
     lines = ["### Headline: 1 thread, multi-layer (K+V >= 3x LLC where possible), L >= 4K", "",
-             "| config | layers | K+V MiB | limit ms | EP KVCache ms | EP ÷ limit | ORT best ms (path) "
-             "| ORT best ÷ limit | EP speedup vs ORT best | ORT Attn past ms | EP tensor ms "
-             "| EP appended / copied per step |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| config | layers | K+V MiB | limit ms | compute ms | floor ms | EP KVCache ms | EP ÷ limit "
+             "| EP ÷ floor | ORT best ms (path) | ORT best ÷ limit | EP speedup vs ORT best | ORT Attn past ms "
+             "| EP tensor ms | EP appended / copied per step |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for h in sm["headline_1thread_multilayer_L4k_plus"]:
         best = SHORT.get(h["ort_best"] or "", "").replace("ORT ", "")
         name = h["name"].split(" x")[0]
@@ -175,7 +207,8 @@ def summary_lines(sm: Dict) -> List[str]:
             name = name.replace(" " + long, " " + short)
         lines.append(
             f"| {name} | {h['layers']} | {h['working_set_mib']:.0f} | {_fmt(h['limit_ms'], '.3g')} | "
-            f"{_fmt(h['ep_kvcache_ms'], '.3g')} | {_fmt(h['ep_x_limit'])} | "
+            f"{_fmt(h.get('compute_ms'), '.3g')} | {_floor_cell(h)} | "
+            f"{_fmt(h['ep_kvcache_ms'], '.3g')} | {_fmt(h['ep_x_limit'])} | {_fmt(h.get('ep_x_floor'))} | "
             f"{_fmt(h['ort_best_ms'], '.3g')} ({best}) | {_fmt(h['ort_best_x_limit'])} | "
             f"{_fmt(h['ep_speedup_vs_ort_best'])}x | {_fmt(h['ort_attention_past_ms'], '.3g')} | "
             f"{_fmt(h['ep_tensor_ms'], '.3g')} | "
@@ -202,30 +235,44 @@ def grid_markdown(result: Dict) -> str:
     lines = ["## Decode step: latency per step (all layers), median [p25–p75] ms", ""]
     lines += machine_lines(result["machine"])
     lines += ["", f"Command: `{s.get('command') or 'onnx-light bench'}`"
-              + (f" (source {s['metadata']['source_revision']})" if s.get("metadata", {}).get("source_revision")
-                 else "") + "  ",
+              + f" (source {_source(result)})  ",
               f"{s['warmup']} warm-up + {s['reps']} measured steps per candidate and thread count, "
               f"interleaved round-robin in one process; threads = `intra_op_num_threads` "
               f"(ORT spinning {'on' if s.get('allow_spinning') else 'off'}); D = 128; "
               f"run took {s.get('elapsed_s', 0) / 60:.1f} min.", ""]
     lines += summary_lines(result.get("summary") or summary(result))
     groups: Dict[tuple, List[str]] = {}
-    skipped = []
+    skipped, failed = [], []
     for rec in result["results"]:
         if rec.get("skipped"):
             skipped.append(f"- {rec['name']}: {rec['skipped']}")
             continue
+        if rec.get("failed"):
+            failed.append(f"- {rec['name']}: FAILED: {rec['failed']}")
+            continue
+        for run in rec["runs"]:
+            for k, v in run["candidates"].items():
+                st = v.get("status", "ok")
+                if st.startswith("error"):
+                    failed.append(f"- {rec['name']}, {SHORT.get(k, k)}, {run['threads']} thread(s): {st}")
         tag = rec["config"].get("tag") or "multi-layer"
         for run in rec["runs"]:
             groups.setdefault((tag, run["threads"]), []).append(_row(rec, run))
     for (tag, t), rows in sorted(groups.items(), key=lambda x: (x[0][0] != "multi-layer", x[0])):
         lines += [f"### {tag}, {t} thread{'s' if t > 1 else ''}", ""] + _table(rows) + [""]
+    if failed:
+        lines += ["Failed (the rest of the run is kept):", ""] + sorted(set(failed), key=failed.index) + [""]
     if skipped:
         lines += ["Skipped configurations:", ""] + skipped + [""]
     lines += ["Legend: `n/s` not supported by ORT's CPU kernels (bf16); `skip (mem)` over the memory "
               "budget; `not claimed` = the EP did not take the standard Attention node (ORT profile), "
               "so no time is reported under the EP's name. `EP ÷ limit` = EP KVCache median / "
               "stream_read of the same K+V bytes in the same run (1.00 = at the physical limit). "
+              "`compute ms` = the step's multiply-adds (per key and query row: head_dim for q.k + "
+              "v_head_dim for P.V) at the measured one-core peak of the ISA level in use (fp32 FMA at "
+              "the level's width; q.k at the bf16 pair-dot peak where avx512_bf16 runs bf16 K), split "
+              "over the threads; `floor ms` = max(limit, compute ms), R = read-bound, C = compute-bound; "
+              "`EP ÷ floor` = EP KVCache median / floor. "
               "`EP speedup vs ORT best` = faster of ORT GQA shared buffer and ORT TensorScatter "
               "+ Attention(opset 24) divided by EP KVCache.", ""]
     return "\n".join(lines)
@@ -236,11 +283,14 @@ def e2e_markdown(result: Dict) -> str:
     from .e2e import markdown_lines
 
     s = result["settings"]
-    return "\n".join(markdown_lines(result["end_to_end"]) +
-                     [f"Command: `{s.get('command') or 'onnx-light bench --e2e'}`"
-                      + (f" (source {s['metadata']['source_revision']})"
-                         if s.get("metadata", {}).get("source_revision") else "")
-                      + f"; onnxruntime {result['machine'].get('onnxruntime')}, machine as above.", ""])
+    return "\n".join(["## End to end", ""] + machine_lines(result["machine"]) + [""] +
+                     markdown_lines(result["end_to_end"]) +
+                     [f"Command: `{s.get('command') or 'onnx-light bench --e2e'}` (source {_source(result)}).", ""])
+
+
+def _source(result: Dict) -> str:
+    md = (result.get("settings") or {}).get("metadata") or {}
+    return md.get("source_revision") or result.get("machine", {}).get("source_revision") or "?"
 
 
 def markdown(result: Dict) -> str:
@@ -312,57 +362,85 @@ def plot(result: Dict, path: str) -> Optional[str]:
 _MARK = "<!-- {}:{} (generated by onnx-light bench --benchmarks-md; edits inside are lost) -->"
 
 
+def machine_key(machine: Optional[Dict]) -> Optional[str]:
+    """The per-machine key of a generated block: the machine kind (``machine.machine_kind``), plus
+    the ISA level when it was forced below the detected one (``AMD Zen 4 AVX-512, ISA avx2``)."""
+    if not machine or not machine.get("machine_kind"):
+        return None
+    key = machine["machine_kind"]
+    if machine.get("isa") and machine.get("detected_isa") and machine["isa"] != machine["detected_isa"]:
+        key += f", ISA {machine['isa']}"
+    return key.replace("[", "(").replace("]", ")").replace("--", "-")
+
+
+def block_name(base: str, machine: Optional[Dict]) -> str:
+    """``base[machine key]`` (or ``base`` without a machine): one block per base and machine kind."""
+    key = machine_key(machine)
+    return f"{base}[{key}]" if key else base
+
+
 def _replace_block(text: str, name: str, body: str) -> str:
+    """Replace block ``name``; a new ``base[key]`` block goes right after the last block of the
+    same base (other machines' runs of that benchmark), else at the end."""
     begin, end = _MARK.format(name, "begin"), f"<!-- {name}:end -->"
     block = f"{begin}\n{body}\n{end}"
     if begin in text and end in text:
         return re.sub(re.escape(begin) + ".*?" + re.escape(end), lambda m: block, text, flags=re.S)
+    base = name.split("[", 1)[0]
+    ends = list(re.finditer(r"<!-- " + re.escape(base) + r"(\[[^\]]*\])?:end -->", text))
+    if ends:
+        at = ends[-1].end()
+        return text[:at] + "\n\n" + block + text[at:]
     return (text or "# Benchmarks\n\n") + "\n" + block + "\n"
 
 
 def update_benchmarks_md(path: str, result: Dict, png: Optional[str] = None) -> None:
-    """Replace the generated blocks of ``path`` (created if missing) with this run's.
+    """Replace this machine kind's generated blocks of ``path`` (created if missing) with this run's.
 
-    Block ``bench_decode`` holds :func:`grid_markdown` (only if the run has grid
-    results), block ``bench_e2e`` :func:`e2e_markdown` (only if it has an
-    end-to-end part); text outside the blocks (hand-written notes) is kept.
-    ``png``, if it exists, is copied to ``docs/bench_decode.png`` beside
+    Block ``bench_decode[<machine key>]`` holds :func:`grid_markdown` (only if the run has grid
+    results), block ``bench_e2e[<machine key>]`` :func:`e2e_markdown` (only if it has an
+    end-to-end part); other machines' blocks and text outside the blocks (hand-written notes)
+    are kept. ``png``, if it exists, is copied to ``docs/bench_decode-<machine key>.png`` beside
     ``path`` and linked from the grid block.
     """
     text = ""
     if os.path.isfile(path):
         with open(path) as f:
             text = f.read()
+    machine = result.get("machine")
     if result["results"]:
         body = grid_markdown(result)
         if png and os.path.isfile(png):
             docs = os.path.join(os.path.dirname(os.path.abspath(path)), "docs")
             os.makedirs(docs, exist_ok=True)
-            shutil.copyfile(png, os.path.join(docs, "bench_decode.png"))
-            body += "\n![step latency vs context](docs/bench_decode.png)\n"
-        text = _replace_block(text, "bench_decode", body)
+            slug = re.sub(r"[^A-Za-z0-9]+", "-", machine_key(machine) or "").strip("-").lower()
+            name = f"bench_decode-{slug}.png" if slug else "bench_decode.png"
+            shutil.copyfile(png, os.path.join(docs, name))
+            body += f"\n![step latency vs context](docs/{name})\n"
+        text = _replace_block(text, block_name("bench_decode", machine), body)
     if result.get("end_to_end"):
-        text = _replace_block(text, "bench_e2e", e2e_markdown(result))
+        text = _replace_block(text, block_name("bench_e2e", machine), e2e_markdown(result))
     with open(path, "w") as f:
         f.write(text)
 
 
-def update_block(path: str, name: str, body: str) -> None:
-    """Replace generated block ``name`` of ``path`` (created if missing) with ``body``."""
+def update_block(path: str, name: str, body: str, machine: Optional[Dict] = None) -> None:
+    """Replace generated block ``name`` (``name[<machine key>]`` when ``machine`` is given: one
+    block per machine kind) of ``path`` (created if missing) with ``body``."""
     text = ""
     if os.path.isfile(path):
         with open(path) as f:
             text = f.read()
     with open(path, "w") as f:
-        f.write(_replace_block(text, name, body))
+        f.write(_replace_block(text, block_name(name, machine), body))
 
 
 def update_benchmarks_md_section(path: str, name: str, arena: Dict) -> None:
-    """Replace block ``bench_<name>`` of ``path`` with the arena report (bench/arena.py)."""
+    """Replace block ``bench_<name>[<machine key>]`` of ``path`` with the arena report (bench/arena.py)."""
     from .arena import markdown as arena_markdown
 
     s = arena["settings"]
     body = ["## Generation operations on the paged arena", ""] + machine_lines(arena["machine"]) + [
         "", f"Command: `{s.get('command') or 'onnx-light bench --arena-only'}`; run took "
         f"{s.get('elapsed_s', 0) / 60:.1f} min.", ""] + arena_markdown(arena)
-    update_block(path, "bench_" + name, "\n".join(body))
+    update_block(path, "bench_" + name, "\n".join(body), machine=arena["machine"])
