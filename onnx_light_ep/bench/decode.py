@@ -462,8 +462,9 @@ def run_bench(configs: Optional[Iterable] = None, threads: Sequence[int] = (1, 2
               out_dir: str = "bench_out", *, warmup: Optional[int] = None, reps: Optional[int] = None,
               candidates: Sequence[str] = CANDIDATES, memory_budget_bytes: float = 12e9,
               slow_step_s: float = 3.0, allow_spinning: bool = False, plot: bool = True,
-              grid: bool = True, e2e: bool = False, e2e_contexts: Sequence[int] = (256, 4096),
-              e2e_threads: Sequence[int] = (1,), command: Optional[str] = None,
+              grid: bool = True, e2e: bool = False, e2e_contexts: Sequence[int] = (256, 4096, 8192),
+              e2e_threads: Sequence[int] = (1, 2), e2e_models: Sequence[str] = ("fp32", "int4"),
+              command: Optional[str] = None,
               metadata: Optional[Dict] = None, progress: Callable[[str], None] = print,
               page_tokens: Optional[int] = None) -> Dict:
     """Run the decode benchmark and write ``bench_decode.{json,md,png}`` into ``out_dir``.
@@ -487,9 +488,12 @@ def run_bench(configs: Optional[Iterable] = None, threads: Sequence[int] = (1, 2
         plot: write the PNG if matplotlib is importable.
         grid: run the attention-step configurations (``False``: only ``e2e``).
         e2e: also run the end-to-end SmolLM2-135M comparison (``e2e``:
-            EP KVCache vs plain ORT vs onnxruntime-genai, tokens/s) at
-            ``e2e_contexts`` with ``e2e_threads``; needs ``onnx_light_ep.convert``
-            and ``onnx_light_ep.models.smollm2`` (builds the model once).
+            EP KVCache vs plain ORT vs onnxruntime-genai: decode tokens/s beside the
+            physical limit, time to first token, a profiled prefill at 4K) at
+            ``e2e_contexts`` (clamped to the model's positions minus the measured steps,
+            with a note) with ``e2e_threads``, for the exports ``e2e_models``
+            (``fp32``, ``int4``); needs ``onnx_light_ep.convert`` and
+            ``onnx_light_ep.models.smollm2`` (builds the models once).
         command: the command line recorded in the outputs.
         metadata: extra JSON-able facts recorded under ``settings["metadata"]``
             (e.g. the source revision).
@@ -545,7 +549,8 @@ def run_bench(configs: Optional[Iterable] = None, threads: Sequence[int] = (1, 2
             from .e2e import run_e2e
 
             progress("[e2e] SmolLM2-135M end to end")
-            settings["e2e"] = {"contexts": list(e2e_contexts), "threads": list(e2e_threads)}
+            settings["e2e"] = {"contexts": list(e2e_contexts), "threads": list(e2e_threads),
+                               "models": list(e2e_models)}
 
             def keep(partial):  # every finished point is in the JSON at once
                 result["end_to_end"] = partial
@@ -555,9 +560,9 @@ def run_bench(configs: Optional[Iterable] = None, threads: Sequence[int] = (1, 2
                 result["end_to_end"] = run_e2e(e2e_contexts, e2e_threads, warmup=3 if not quick else 1,
                                                reps=16 if not quick else 3, work_dir=out_dir,
                                                progress=progress, on_point=keep, machine=machine,
-                                               quick=quick)
+                                               quick=quick, precisions=e2e_models)
             except Exception as e:  # e.g. the model could not be built: the grid's results stand
-                result.setdefault("end_to_end", {"runs": []})["failed"] = f"{type(e).__name__}: {str(e)[:500]}"
+                result.setdefault("end_to_end", {"models": []})["failed"] = f"{type(e).__name__}: {str(e)[:500]}"
                 progress(f"  e2e FAILED: {result['end_to_end']['failed']}")
     finally:  # also on KeyboardInterrupt: what was measured is written
         settings["elapsed_s"] = time.perf_counter() - t0
@@ -645,8 +650,12 @@ def add_arguments(parser) -> None:
                         help="also run the generation-operation benchmarks (bench/arena.py: beam search, "
                              "fork, checkpoint/restore, sliding-window memory, page-table overhead)")
     parser.add_argument("--arena-only", action="store_true", help="only the arena benchmarks")
-    parser.add_argument("--e2e-contexts", default="256,4096", help="end-to-end context lengths")
-    parser.add_argument("--e2e-threads", default="1", help="end-to-end intra_op_num_threads values")
+    parser.add_argument("--e2e-contexts", default="256,4096,8192",
+                        help="end-to-end context lengths (default 256,4096,8192; one beyond the model's positions "
+                             "minus the measured steps is clamped, with a note)")
+    parser.add_argument("--e2e-threads", default="1,2", help="end-to-end intra_op_num_threads values (default 1,2)")
+    parser.add_argument("--e2e-models", default="fp32,int4",
+                        help="end-to-end SmolLM2-135M exports: fp32 and/or int4 (MatMulNBits weights)")
     parser.add_argument("--benchmarks-md", default=None, metavar="PATH",
                         help="also replace the generated section of this BENCHMARKS.md")
 
@@ -685,6 +694,7 @@ def main_from_args(args, command: Optional[str] = None, metadata: Optional[Dict]
                        e2e=args.e2e or args.e2e_only,
                        e2e_contexts=[int(c) for c in args.e2e_contexts.split(",")],
                        e2e_threads=[int(t) for t in args.e2e_threads.split(",")],
+                       e2e_models=[m for m in args.e2e_models.split(",") if m],
                        command=command, metadata=metadata, page_tokens=args.page_tokens)
     if args.benchmarks_md:
         report.update_benchmarks_md(args.benchmarks_md, result,
