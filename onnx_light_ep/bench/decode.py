@@ -650,6 +650,11 @@ def add_arguments(parser) -> None:
                         help="also run the generation-operation benchmarks (bench/arena.py: beam search, "
                              "fork, checkpoint/restore, sliding-window memory, page-table overhead)")
     parser.add_argument("--arena-only", action="store_true", help="only the arena benchmarks")
+    parser.add_argument("--prefill", action="store_true",
+                        help="also run the prefill-attention benchmark (bench/prefill.py: causal S in {512, 2048}, "
+                             "GQA 32/8 and MHA, D=128, fp32, EP vs ORT Attention / GQA vs the compute floor)")
+    parser.add_argument("--prefill-only", action="store_true", help="only the prefill-attention benchmark")
+    parser.add_argument("--prefill-threads", default="1", help="prefill benchmark intra_op_num_threads (default 1)")
     parser.add_argument("--e2e-contexts", default="256,4096,8192",
                         help="end-to-end context lengths (default 256,4096,8192; one beyond the model's positions "
                              "minus the measured steps is clamped, with a note)")
@@ -685,6 +690,19 @@ def main_from_args(args, command: Optional[str] = None, metadata: Optional[Dict]
             written.append(args.benchmarks_md)
         print(f"wrote {', '.join(w for w in written if os.path.exists(w))} ({arena['settings']['elapsed_s']:.0f} s)")
         if args.arena_only:
+            return 0
+    if args.prefill or args.prefill_only:
+        from . import prefill
+
+        res = prefill.run_prefill(args.out_dir, threads=[int(t) for t in args.prefill_threads.split(",")],
+                                  quick=args.quick, command=command)
+        if args.benchmarks_md:
+            prefill.update_benchmarks_md(args.benchmarks_md, res)
+        written = [os.path.join(args.out_dir, n) for n in ("bench_prefill.json", "bench_prefill.md")]
+        if args.benchmarks_md:
+            written.append(args.benchmarks_md)
+        print(f"wrote {', '.join(w for w in written if os.path.exists(w))} ({res['settings']['elapsed_s']:.0f} s)")
+        if args.prefill_only:
             return 0
     result = run_bench(configs, threads=[int(t) for t in args.threads.split(",")], quick=args.quick,
                        out_dir=args.out_dir, warmup=args.warmup, reps=args.reps,
