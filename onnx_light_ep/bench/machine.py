@@ -122,7 +122,8 @@ def machine_kind(ls: Optional[Dict[str, str]] = None, flags: Optional[set] = Non
 
 def source_revision() -> str:
     """The source this package was built from: ``$OLEP_SOURCE_REVISION`` if set, else
-    ``git rev-parse --short=12 HEAD`` (``-dirty`` with uncommitted changes to tracked files)
+    ``git rev-parse --short=12 HEAD`` (``-dirty`` with uncommitted changes to tracked files other
+    than Markdown, which a ``--benchmarks-md`` run itself rewrites)
     when the package is imported from a git checkout of this project, else
     ``onnx_light_ep <version>`` (an installed package)."""
     from .. import __version__
@@ -140,7 +141,7 @@ def source_revision() -> str:
                 and os.path.isfile(os.path.join(root, "pyproject.toml"))):
             rev = git("rev-parse", "--short=12", "HEAD").stdout.strip()
             if rev:
-                dirty = git("diff", "--quiet", "HEAD", "--").returncode == 1
+                dirty = git("diff", "--quiet", "HEAD", "--", ".", ":(exclude)*.md").returncode == 1
                 return rev + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         pass

@@ -227,6 +227,7 @@ def run_prefill(out_dir: str = "bench_out", *, shapes: Sequence[tuple] = PREFILL
            "settings": {"threads": list(threads), "warmup": warmup, "reps": reps, "quick": quick,
                         "command": command}, "results": []}
     t0 = time.perf_counter()
+    res["settings"]["loadavg_before"] = _loadavg()
     try:
         for seq, hq, hkv in shapes:
             progress(f"[prefill] S={seq} Hq={hq} Hkv={hkv}")
@@ -242,8 +243,16 @@ def run_prefill(out_dir: str = "bench_out", *, shapes: Sequence[tuple] = PREFILL
             _write(res, out_dir)
     finally:
         res["settings"]["elapsed_s"] = time.perf_counter() - t0
+        res["settings"]["loadavg_after"] = _loadavg()
         _write(res, out_dir)
     return res
+
+
+def _loadavg():
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
 
 
 def _write(res: Dict, out_dir: str) -> None:
@@ -270,7 +279,8 @@ def markdown(res: Dict) -> str:
     lines += machine_lines(res["machine"])
     lines += ["", f"Command: `{s.get('command') or 'onnx-light bench --prefill-only'}` (source "
               f"{res['machine'].get('source_revision', '?')}); {s['warmup']} warm-up + {s['reps']} measured runs "
-              f"per candidate and thread count, interleaved; run took {s.get('elapsed_s', 0) / 60:.1f} min.", "",
+              f"per candidate and thread count, interleaved; run took {s.get('elapsed_s', 0) / 60:.1f} min; load average "
+              f"(1 min) {(s.get('loadavg_before') or ['?'])[0]} before, {(s.get('loadavg_after') or ['?'])[0]} after.", "",
               "Median [p25–p75] ms per prefill of one layer (÷ floor in brackets). Floor = the causal half of the "
               "q.k and P.V multiply-adds, Hq x S(S+1)/2 x (D + Dv), at the one-core fp32 FMA peak of the ISA "
               "level in use, over the threads. EP: `CacheAttention(is_causal=1)` appending S rows into an empty "

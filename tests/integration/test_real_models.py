@@ -132,19 +132,29 @@ def test_compare_missing_file_names_the_argument(tmp_path, which):
         compare(*args)
 
 
-def test_e2e_bench_skips_contexts_beyond_the_positions_and_keeps_the_rest(tmp_path):
+def test_e2e_bench_clamps_contexts_to_the_positions_and_runs_the_real_model(tmp_path):
     """`bench --e2e --e2e-contexts 8192` crashed on the model's 8192-entry rotary table and lost the
-    run: a context without room for the measured steps is skipped with its reason, the others run."""
-    from onnx_light_ep.bench.e2e import run_e2e
+    run: the real model's positions are read from the converted model, a context without room for
+    the measured steps is clamped with a note (the fake-runner tests in tests/unit/test_bench_e2e.py
+    cover the point itself and failures), and a short context runs on all three runners."""
+    from onnx_light_ep.bench import e2e
 
-    res = run_e2e(contexts=(8192, 32), threads=(1,), warmup=1, reps=2, work_dir=str(tmp_path),
-                  progress=lambda line: None)
-    big, small = res["runs"]
-    assert big["context_length"] == 8192 and big["runners"]
-    for r in big["runners"].values():
-        assert r["status"].startswith("skipped: context 8192 + 4 steps exceeds the model's 8192 positions")
-        assert "largest context: 8188" in r["status"]
-    assert small["runners"]["ep_kvcache"]["status"] == "ok" and small["runners"]["ep_kvcache"]["tokens_per_s"] > 0
+    model = e2e.load_model("fp32", str(tmp_path), progress=lambda line: None)
+    assert model.positions == 8192 and model.kv_token_bytes == 2 * 30 * 3 * 64 * 4
+    assert 500 * 2**20 < model.weight_bytes < 540157184  # every weight once, one row of the tables
+    ctx, note = e2e.clamp_context(8192, model.positions, 1 + 2)
+    assert ctx == 8188 and "clamped to 8188" in note
+    out = e2e.run_model(model, (32,), (1,), warmup=1, reps=2, bandwidth={"1": 10.0}, profile_context=64,
+                        profile_dir=str(tmp_path / "profiles"), progress=lambda line: None)
+    run = out["runs"][0]
+    ok = {k for k, v in run["runners"].items() if v["status"] == "ok"}
+    assert {"ep_kvcache", "ort_past_present"} <= ok, run["runners"]
+    assert all(v for v in run["tokens_agree"].values()), run["generated_tokens"]
+    assert run["limit_tokens_per_s"] > 0 and run["runners"]["ep_kvcache"]["ttft_s"] > 0
+    prof = out["prefill_profile"][0]["runners"]
+    assert prof["ort_past_present"]["by_op"]["GroupQueryAttention"] > 0
+    assert prof["ep_kvcache"]["by_op"]["CacheAttention (EP)"] > 0
+    assert 0 < prof["ep_kvcache"]["attention_share"] < 1
 
 
 def test_window_sized_buffers_convert_to_a_bounded_cache(converted, tmp_path):
