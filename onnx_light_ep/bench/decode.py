@@ -175,7 +175,8 @@ def compute_ms(cfg: BenchConfig, machine: Dict, threads: int) -> Optional[float]
     over ``threads`` cores; None when there is no peak for the level (scalar, or not measured).
 
     q.k at the bf16 pair-dot peak (``bf16_avx512bf16``) where the avx512_bf16 level runs bf16 K
-    (VDPBF16PS), else at the fp32 FMA peak of the level's vector width; P.V always at the fp32 FMA
+    through VDPBF16PS (at least 3 query rows per KV head: GQA, MQA), else at the fp32 FMA peak
+    of the level's vector width; P.V always at the fp32 FMA
     peak (scores, softmax and P.V accumulate in fp32; fp16/bf16 conversion is not counted)."""
     from .machine import FP32_PEAK_LEVEL
 
@@ -184,7 +185,10 @@ def compute_ms(cfg: BenchConfig, machine: Dict, threads: int) -> Optional[float]
     fp32 = peaks.get(FP32_PEAK_LEVEL.get(isa, ""))
     if not fp32:
         return None
-    qk = peaks.get("bf16_avx512bf16") if isa == "avx512_bf16" and cfg.dtype == "bfloat16" else fp32
+    # the level's VDPBF16PS path: bf16 K, >= 3 query rows per KV head (docs/API.md, ISA levels)
+    bf16_dot = (isa == "avx512_bf16" and cfg.dtype == "bfloat16" and cfg.head_dim % 2 == 0
+                and cfg.q_num_heads // cfg.kv_num_heads >= 3)
+    qk = peaks.get("bf16_avx512bf16") if bf16_dot else fp32
     if not qk:
         return None
     m = step_macs(cfg)

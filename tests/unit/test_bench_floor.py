@@ -43,6 +43,10 @@ def test_compute_ms_counts_qk_and_pv_at_the_level_peak():
     assert decode.compute_ms(b, {**m, "isa": "avx512_bf16"}, 1) == pytest.approx(
         (macs["qk"] / 80e9 + macs["pv"] / 100e9) * 1e3)
     assert decode.compute_ms(b, m, 1) == pytest.approx(2 * macs["qk"] / 100e9 * 1e3)
+    # MHA bf16 (one query row per KV head): no VDPBF16PS path, q.k at the fp32 FMA peak too
+    mha = bench.BenchConfig(32, 32, 2, 4096, "bfloat16", head_dim=128, num_layers=3)
+    assert decode.compute_ms(mha, {**m, "isa": "avx512_bf16"}, 1) == pytest.approx(
+        2 * decode.step_macs(mha)["qk"] / 100e9 * 1e3)
     assert decode.compute_ms(cfg, {**m, "isa": "scalar"}, 1) is None
     assert decode.compute_ms(cfg, {"isa": "avx2"}, 1) is None  # peaks not measured
 
