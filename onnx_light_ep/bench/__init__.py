@@ -13,6 +13,7 @@
 every table states the machine kind, ISA level, read bandwidth, FMA peaks and source revision.
 """
 
-from .decode import CANDIDATES, BenchConfig, add_arguments, default_configs, main_from_args, run_bench
+from .command import add_arguments, main_from_args
+from .decode import CANDIDATES, BenchConfig, default_configs, run_bench
 
 __all__ = ["BenchConfig", "CANDIDATES", "add_arguments", "default_configs", "main_from_args", "run_bench"]

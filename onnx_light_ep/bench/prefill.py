@@ -26,7 +26,7 @@ import json
 import os
 import statistics
 import time
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, Optional, Sequence
 
 import numpy as np
 from onnx import TensorProto, helper
