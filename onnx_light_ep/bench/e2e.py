@@ -19,7 +19,7 @@ back; the ``warmup`` steps are discarded and the median of ``reps`` steps gives 
 A context whose measured steps would leave the model's positions (its rotary table) is
 clamped to the largest that fits, with a note. Beside each rate: the physical limit at that
 context, ``decode_limit_tokens_per_s`` (the weights a step reads + ``C`` positions of K/V, at
-the measured ``stream_read`` bandwidth of that thread count). Every session keeps ORT's
+the best ``stream_read`` bandwidth of that thread count in the run, measured after every point). Every session keeps ORT's
 default intra-op spinning, as an application running one model would (genai offers no switch
 for it). A step is one model run plus the argmax over the vocabulary. The greedy tokens of
 the runners are compared (``tokens_agree``): same model, same prompt, so they should match.
@@ -306,13 +306,37 @@ def _profile(makers, keys, prompt, profile_dir) -> Dict:
     return out
 
 
+def _set_limits(runs: List[Dict], model: E2EModel, best_bw: Dict[str, float]) -> None:
+    """(Re)compute every point's limit with the best bandwidth of its thread count so far."""
+    for point in runs:
+        bw = best_bw.get(str(point["threads"])) or best_bw.get("1")
+        point["limit_read_gb_per_s"] = bw
+        point["limit_tokens_per_s"] = decode_limit_tokens_per_s(model.weight_bytes, model.kv_token_bytes,
+                                                                point["context_length"], bw)
+        for v in point.get("runners", {}).values():
+            if v.get("tokens_per_s") and point["limit_tokens_per_s"]:
+                v["x_limit"] = point["limit_tokens_per_s"] / v["tokens_per_s"]
+
+
 def run_model(model: E2EModel, contexts: Sequence[int], threads: Sequence[int], *, warmup: int, reps: int,
               bandwidth: Optional[Dict[str, float]] = None, seed: int = 0, profile_context: Optional[int] = 4096,
               profile_dir: Optional[str] = None, makers=default_makers,
               progress: Callable[[str], None] = print, on_point: Optional[Callable[[Dict], None]] = None,
-              out: Optional[Dict] = None) -> Dict:
+              out: Optional[Dict] = None,
+              measure_bandwidth: Optional[Callable[[int], float]] = None) -> Dict:
     """Every (threads, context) point of one model; ``out`` (the model's record) is filled in
-    place and ``on_point()`` called after each point. See the module docstring."""
+    place and ``on_point()`` called after each point. See the module docstring.
+
+    Limits use the best read bandwidth of the run per thread count: ``bandwidth`` ({threads:
+    GB/s}, e.g. the machine's at the start) and ``measure_bandwidth(threads)`` taken after every
+    point (default ``machine.read_bandwidth_gb_per_s`` with 3 passes; on a shared machine a
+    single early measurement can be low enough to put a runner above its "limit")."""
+    if measure_bandwidth is None:
+        from .machine import read_bandwidth_gb_per_s
+
+        def measure_bandwidth(t):
+            return read_bandwidth_gb_per_s(t, repeats=3)
+    best_bw = {str(k): float(v) for k, v in (bandwidth or {}).items() if v}
     out = {} if out is None else out
     out.update({"model": model.name, "precision": model.precision, "source_dir": model.src_dir,
                 "converted": model.converted, "facts": asdict(model), "kv_bytes_per_token": model.kv_token_bytes,
@@ -331,11 +355,7 @@ def run_model(model: E2EModel, contexts: Sequence[int], threads: Sequence[int], 
                 out.setdefault("errors", {})[f"{key}@{t}"] = _err(e)
         for ctx in contexts:
             run_ctx, note = clamp_context(ctx, model.positions, steps)
-            bw = (bandwidth or {}).get(str(t)) or (bandwidth or {}).get("1")
-            point = {"threads": t, "context_length": run_ctx, "requested_context": int(ctx),
-                     "limit_tokens_per_s": decode_limit_tokens_per_s(model.weight_bytes, model.kv_token_bytes,
-                                                                     run_ctx, bw),
-                     "limit_read_gb_per_s": bw}
+            point = {"threads": t, "context_length": run_ctx, "requested_context": int(ctx)}
             if note:
                 point["note"] = note
                 progress(f"  e2e {model.precision} t={t}: {note}")
@@ -345,10 +365,13 @@ def run_model(model: E2EModel, contexts: Sequence[int], threads: Sequence[int], 
                 prompt = rng.integers(100, model.vocab_size - 100, size=(1, run_ctx), dtype=np.int64)
                 capacity = min(run_ctx + steps + 8, model.positions or 1 << 62)
                 point.update(_measure_point(runners, prompt, capacity, warmup, reps, n_points % max(1, len(runners))))
-            for v in point["runners"].values():
-                if v.get("tokens_per_s") and point["limit_tokens_per_s"]:
-                    v["x_limit"] = point["limit_tokens_per_s"] / v["tokens_per_s"]
             out["runs"].append(point)
+            try:
+                best_bw[str(t)] = max(best_bw.get(str(t), 0.0), float(measure_bandwidth(t)))
+            except Exception as e:  # noqa: BLE001 - the limits fall back to what was measured before
+                out.setdefault("errors", {})[f"bandwidth@{t}"] = _err(e)
+            _set_limits(out["runs"], model, best_bw)
+            out["read_gb_per_s_best"] = dict(best_bw)
             n_points += 1
             progress(f"  e2e {model.precision} t={t} C={run_ctx}: " + " ".join(
                 f"{k}={v['tokens_per_s']:.1f} tok/s" for k, v in point["runners"].items() if "tokens_per_s" in v))
@@ -422,8 +445,9 @@ def markdown_lines(e2e: Dict) -> List[str]:
         if facts:
             lines += [f"A decode step reads {facts['weight_bytes'] / 2**20:.1f} MiB of weights (every initializer "
                       f"once, one row of the embedding table) + {m['kv_bytes_per_token'] / 1024:.1f} KiB of K/V "
-                      f"per context position; limit = those bytes at the measured `stream_read` bandwidth of the "
-                      f"thread count. Decode: tokens/s (median [p25–p75] ms per token, share of the limit); "
+                      f"per context position; limit = those bytes at the best `stream_read` bandwidth of the "
+                      f"thread count in the run ({', '.join(f'{k} thread(s) {v:.1f} GB/s' for k, v in sorted((m.get('read_gb_per_s_best') or {}).items()))}, "
+                      f"measured after every point). Decode: tokens/s (median [p25–p75] ms per token, share of the limit); "
                       f"TTFT = prefill of the context + the first token, one run.", ""]
             if facts.get("accuracy_level"):
                 lines += [f"`MatMulNBits` runs with `accuracy_level={facts['accuracy_level']}`: it quantizes its "

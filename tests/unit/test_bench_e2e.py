@@ -95,9 +95,12 @@ def test_run_model_clamps_reports_failures_and_keeps_the_rest():
                 ("genai", lambda so_patch=None: (_ for _ in ()).throw(ImportError("no onnxruntime_genai")))]
 
     points = []
-    out = e2e.run_model(_model(), (16, 64), (1, 2), warmup=1, reps=3, bandwidth={"1": 1e-6, "2": 2e-6},
+    bw = iter([0.5e-6, 1e-6, 0.1e-6, 2e-6])  # after each point; the limits use the best per thread count
+    out = e2e.run_model(_model(), (16, 64), (1, 2), warmup=1, reps=3, bandwidth={"1": 0.2e-6},
                         profile_context=None, makers=makers, progress=lambda s: None,
-                        on_point=lambda: points.append(1))
+                        on_point=lambda: points.append(1), measure_bandwidth=lambda t: next(bw))
+    assert out["read_gb_per_s_best"] == {"1": 1e-6, "2": 2e-6}
+    assert out["runs"][2]["limit_read_gb_per_s"] == 2e-6
     assert len(points) == 4 and len(out["runs"]) == 4
     assert out["errors"] == {"genai@1": "ImportError: no onnxruntime_genai", "genai@2": "ImportError: no onnxruntime_genai"}
     r16, r64 = out["runs"][0], out["runs"][1]
@@ -125,6 +128,7 @@ def test_run_e2e_keeps_one_model_when_the_other_fails(monkeypatch, tmp_path):
         return _model()
 
     monkeypatch.setattr(e2e, "load_model", load)
+    monkeypatch.setattr("onnx_light_ep.bench.machine.read_bandwidth_gb_per_s", lambda t, repeats=3: 1.0)
     monkeypatch.setattr(e2e, "default_makers", lambda m, t: [("ep_kvcache", lambda so_patch=None: _Fake("ep_kvcache"))])
     seen = []
     out = e2e.run_e2e((16,), (1,), warmup=1, reps=2, work_dir=str(tmp_path), progress=lambda s: None,
