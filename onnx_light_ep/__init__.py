@@ -85,7 +85,7 @@ else:
     __version__ = "0.2.0"
 
     def convert(input_path, output_path, *, keep_present=(), sliding_window=None, cache_input="kv_cache",
-                check=True, stage=None):
+                check=True, stage=None, fuse_gqa=True):
         """Rewrite an exported decoder model to use a ``KVCache`` (``onnx_light_ep.rewrite.convert``,
         imported on first use so that ``import onnx_light_ep`` does not load onnx).
 
@@ -96,7 +96,9 @@ else:
         check: run ``onnx.checker`` on the result;
         stage: ``"prefill"``/``"decode"`` for one graph of a prefill/decode pair (transformers'
         exporter); a folder holding ``prefill.onnx`` and ``decode.onnx`` as ``input_path``
-        converts both into the folder ``output_path``.
+        converts both into the folder ``output_path``;
+        fuse_gqa: one ``CacheAttention`` per GroupQueryAttention taking its packed QKV and rotary
+        (True, default) or QKV Split + RotaryEmbedding nodes in front of it (False).
 
         Returns an ``onnx_light_ep.rewrite.ConvertReport`` (a ``PairReport`` for a folder); raises
         ``onnx_light_ep.rewrite.ConvertError`` when nothing can be converted or an option is
@@ -105,7 +107,7 @@ else:
         from .rewrite import convert as _convert
 
         return _convert(input_path, output_path, keep_present=keep_present, sliding_window=sliding_window,
-                        cache_input=cache_input, check=check, stage=stage)
+                        cache_input=cache_input, check=check, stage=stage, fuse_gqa=fuse_gqa)
 
     __all__ = [
         "DEFAULT_PAGE_BYTES",

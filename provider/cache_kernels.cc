@@ -20,20 +20,21 @@ bool input(OrtKernelContext* ctx, int index, Tensor* t) {
 }  // namespace
 
 OrtStatus* CacheAttentionKernel::compute(OrtKernelContext* ctx) const {
-  Tensor q, k, v, cache, mask, seqlens;
+  Tensor t[8];
+  ops::CacheAttentionInputs ins;
+  const Tensor** slots[8] = {&ins.query, &ins.key, &ins.value, &ins.cache, &ins.attn_mask, &ins.seqlens_k,
+                             &ins.cos_cache, &ins.sin_cache};
   try {
-    if (!input(ctx, in[0], &q) || !input(ctx, in[1], &k) || !input(ctx, in[2], &v) || !input(ctx, in[3], &cache))
-      throw std::invalid_argument("CacheAttention: inputs 'query', 'key', 'value' and 'cache' are required");
-    const bool has_mask = input(ctx, in[4], &mask);
-    const bool has_seqlens = input(ctx, in[5], &seqlens);
-    const ops::AttentionDims d = ops::resolve_dims("CacheAttention", attrs.q_num_heads, attrs.kv_num_heads, q, k, v);
+    for (int i = 0; i < 8; ++i)
+      if (input(ctx, in[i], &t[i])) *slots[i] = &t[i];
+    if (!ins.query || !ins.cache) throw std::invalid_argument("CacheAttention: inputs 'query' and 'cache' are required");
+    const ops::AttentionDims d = ops::cache_attention_dims(attrs, ins);
     // Validate everything that can fail before allocating Y and touching the cache.
     void* y = alloc_output(ctx, static_cast<size_t>(out), ops::output_shape(d));
-    ops::cache_attention(attrs, q, k, v, cache, has_mask ? &mask : nullptr, has_seqlens ? &seqlens : nullptr, y,
-                         ort_parallel_for(ctx));
+    ops::cache_attention(attrs, ins, y, ort_parallel_for(ctx));
     return nullptr;
   } catch (const std::exception& e) {
-    if (cache.data) ops::note_failed_run(cache);
+    if (ins.cache) ops::note_failed_run(*ins.cache);
     return to_status(e, node);
   }
 }

@@ -15,11 +15,11 @@
 namespace olep {
 namespace provider {
 
-/// CacheAttention(query, key, value, cache, [attn_mask], [seqlens_k]) -> Y.
+/// CacheAttention(query, [key], [value], cache, [attn_mask], [seqlens_k], [cos_cache], [sin_cache]) -> Y.
 struct CacheAttentionKernel {
   ops::CacheAttentionAttrs attrs;
   std::string node;
-  int in[6] = {0, 1, 2, 3, 4, 5};  // context input index per schema input, -1 = absent
+  int in[8] = {0, 1, 2, 3, 4, 5, 6, 7};  // context input index per schema input, -1 = absent
   int out = 0;
   OrtStatus* compute(OrtKernelContext* ctx) const;
 };

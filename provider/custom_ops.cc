@@ -137,8 +137,34 @@ OrtStatus* infer_cache_attention(const OrtCustomOp*, OrtShapeInferContext* c) {
     if (!ic.input(0, &qt, &qd, &qs)) return nullptr;
     if (elem_type(qt) != ElemType::kFloat32 && elem_type(qt) != ElemType::kFloat16 && elem_type(qt) != ElemType::kBFloat16)
       return make_status(ORT_INVALID_ARGUMENT, "CacheAttention: input 'query' must be float, float16 or bfloat16");
-    if (!ic.input(2, &vt, &vd, &vs)) vd.clear();
+    // An absent optional input (empty name) may come without a type: treated as absent.
+    auto present = [&](size_t i, ONNXTensorElementDataType* t, std::vector<int64_t>* d, std::vector<std::string>* s) {
+      try {
+        return ic.input(i, t, d, s) && *t != ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+      } catch (const std::exception&) {
+        return false;
+      }
+    };
+    ONNXTensorElementDataType kt;
+    std::vector<int64_t> kd;
+    std::vector<std::string> ks;
+    const bool packed = !present(1, &kt, &kd, &ks) && !present(2, &vt, &vd, &vs);
+    if (!packed && !present(2, &vt, &vd, &vs)) vd.clear();
     const int64_t hq = ic.attr_int("q_num_heads", 0), hkv = ic.attr_int("kv_num_heads", 0);
+    if (packed) {  // [B, S, (Hq + 2*Hkv)*D] -> [B, S, Hq*D]
+      std::vector<int64_t> od = {-1, -1, -1};
+      std::vector<std::string> os = {"", "", ""};
+      if (qd.size() == 3) {
+        for (size_t i = 0; i < 2; ++i) {
+          od[i] = qd[i];
+          os[i] = qs[i];
+        }
+        const int64_t heads = hq + 2 * hkv;
+        if (hq > 0 && hkv > 0 && qd[2] > 0 && qd[2] % heads == 0) od[2] = hq * (qd[2] / heads);
+      }
+      ic.set_output(0, qt, od, os);
+      return nullptr;
+    }
     // Y always gets the query's type. Rank 0 here means "rank unknown" (query is never a scalar):
     // then guess from the value's rank, else from the 3-D head attributes, with all dims unknown.
     size_t rank = qd.size();
@@ -219,21 +245,24 @@ OrtStatus* infer_cache_shape(const OrtCustomOp*, OrtShapeInferContext* c) {
 
 enum class OpKind { kCacheAttention, kCacheExport, kCacheCommit, kCacheShape };
 
-// Inputs: CacheAttention(query, key, value, cache, [attn_mask], [seqlens_k]); CacheExport(cache,
+// Inputs: CacheAttention(query, [key], [value], cache, [attn_mask], [seqlens_k], [cos_cache],
+// [sin_cache]) (key/value absent = packed QKV in query); CacheExport(cache,
 // [after]); CacheCommit(cache, after...) with `after` variadic of any types (the graph outputs the
 // commit must follow); CacheShape(cache) -> int64 [4].
 struct OpInfo {
   const char* name;
-  size_t inputs, required_inputs, cache_input;
+  size_t inputs;
+  uint32_t required;  // bit i: input i is required
+  size_t cache_input;
   size_t outputs;
   bool variadic_tail;
 };
 const OpInfo& op_info(OpKind k) {
   static const OpInfo infos[] = {
-      {"CacheAttention", 6, 4, 3, 1, false},
-      {"CacheExport", 2, 1, 0, 2, false},
-      {"CacheCommit", 2, 2, 0, 1, true},
-      {"CacheShape", 1, 1, 0, 1, false},
+      {"CacheAttention", 8, 0b1001, 3, 1, false},  // query and cache
+      {"CacheExport", 2, 0b1, 0, 2, false},
+      {"CacheCommit", 2, 0b11, 0, 1, true},
+      {"CacheShape", 1, 0b1, 0, 1, false},
   };
   return infos[static_cast<int>(k)];
 }
@@ -267,7 +296,7 @@ struct OpDef : OrtCustomOp {
     GetInputCharacteristic = [](const OrtCustomOp* op, size_t i) {
       const OpInfo& d = op_info(static_cast<const OpDef*>(op)->kind);
       if (d.variadic_tail && i == d.inputs - 1) return INPUT_OUTPUT_VARIADIC;
-      return i < d.required_inputs ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;
+      return (d.required >> i) & 1u ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;
     };
     GetOutputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
     GetInputMemoryType = [](const OrtCustomOp*, size_t) { return OrtMemTypeDefault; };
@@ -295,6 +324,7 @@ struct OpDef : OrtCustomOp {
           a.softcap = attr_float(info, "softcap", 0.0f);
           a.local_window_size = attr_int(info, "local_window_size", -1);
           a.commit_node = attr_int(info, "commit_node", 0);
+          a.rotary_interleaved = attr_int(info, "rotary_interleaved", 0);
           ops::validate(a);  // a bad model fails at session creation
           holder->attention.node = node;
           a.node_id = reinterpret_cast<uintptr_t>(holder.get());

@@ -124,6 +124,7 @@ NodeComputeInfo* compile_cache_node(const OrtNode* node, const OrtNode* fused_no
     node_attr_float(node, "softcap", &a.softcap);
     node_attr_int(node, "local_window_size", &a.local_window_size);
     node_attr_int(node, "commit_node", &a.commit_node);
+    node_attr_int(node, "rotary_interleaved", &a.rotary_interleaved);
     ops::validate(a);
     auto it = info.layers.find(ins.size() > 3 ? ins[3] : "");
     a.graph_layers = it == info.layers.end() ? 0 : it->second;

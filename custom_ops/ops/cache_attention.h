@@ -1,8 +1,10 @@
 // ai.onnx_light::CacheAttention (since_version 1), CacheExport, CacheCommit and CacheShape: what the
 // ops mean, their validation, and their execution against the KVCache arena.
 // Semantics: ONNX Attention opset 23 (onnx.ai, Operators/Attention) with
-// past_key/past_value taken from the cache; GQA head mapping and seqlens_k as
-// in ORT com.microsoft.GroupQueryAttention (docs/ContribOperators.md).
+// past_key/past_value taken from the cache; GQA head mapping, seqlens_k, packed
+// QKV and rotary (cos_cache/sin_cache, rotary_interleaved) as in ORT
+// com.microsoft.GroupQueryAttention with do_rotary=1 and RotaryEmbedding
+// (docs/ContribOperators.md), rotary positions taken from the cache.
 // Full contract: docs/API.md. No ORT here.
 #pragma once
 
@@ -26,6 +28,9 @@ struct CacheAttentionAttrs {
   int64_t local_window_size = -1;
   /// 1: a CacheCommit node completes the run's step (the converter writes it); 0: the last layer does.
   int64_t commit_node = 0;
+  /// Rotary pairing when cos_cache/sin_cache are given: 0 = halves (x[i], x[i + rotary_dim/2]),
+  /// 1 = adjacent (x[2i], x[2i + 1]); GroupQueryAttention's rotary_interleaved.
+  int64_t rotary_interleaved = 0;
   /// Not an attribute: the number of CacheAttention layers the EP saw on this node's cache input
   /// at session creation (0 = unknown, the CPU EP path). A cache whose num_layers differs fails
   /// the run before anything is written.
@@ -38,6 +43,39 @@ struct CacheAttentionAttrs {
 
 /// Throws std::invalid_argument ("CacheAttention: attribute '<name>' ...") for bad values.
 void validate(const CacheAttentionAttrs& a);
+
+/// The inputs of one CacheAttention call in schema order; absent optional inputs are null.
+///   query      T [B, S, Hq*D] or [B, Hq, S, D]; packed QKV (key and value null): T
+///              [B, S, (Hq + 2*Hkv)*D] holding q, k, v heads in that order (GroupQueryAttention).
+///   key/value  T [B, S, Hkv*D] / [B, S, Hkv*Dv] or BNSH; both null = packed QKV.
+///   cache      int64 [1] or scalar handle (required).
+///   attn_mask, seqlens_k  as documented in docs/API.md.
+///   cos_cache/sin_cache   T [max_position, rotary_dim/2], both or neither: rotary applied
+///              to Q and the new K (K is cached rotated) at positions P_b + s, s < n_b.
+struct CacheAttentionInputs {
+  const Tensor* query = nullptr;
+  const Tensor* key = nullptr;
+  const Tensor* value = nullptr;
+  const Tensor* cache = nullptr;
+  const Tensor* attn_mask = nullptr;
+  const Tensor* seqlens_k = nullptr;
+  const Tensor* cos_cache = nullptr;
+  const Tensor* sin_cache = nullptr;
+};
+
+/// Validates query/key/value (packed or not) and cos_cache/sin_cache against the attributes
+/// and returns the dims (v_head_dim = head_dim for packed QKV). Touches no cache.
+/// Throws std::invalid_argument "CacheAttention: <what>; expected <X>, got <Y>" naming the input.
+AttentionDims cache_attention_dims(const CacheAttentionAttrs& a, const CacheAttentionInputs& in);
+
+/// Appends the new K/V rows (rotated K with cos/sin) to layer a.layer of in.cache and writes Y
+/// (query's dtype, output_shape(cache_attention_dims(a, in))) to `y`. Everything that can fail
+/// (shapes, handle, geometry, seqlens_k range, a rotary position >= max_position) is checked
+/// before anything is written. Throws std::invalid_argument (bad input), MemoryLimitError or
+/// BusyError (kvcache/errors.h); the cache is unchanged then (the run's step is rolled back
+/// when the run ends). Rotary costs O(B*S*(Hq+Hkv)*D) plus scratch for the rotated rows.
+void cache_attention(const CacheAttentionAttrs& a, const CacheAttentionInputs& in, void* y,
+                     const ParallelFor& parallel_for);
 
 /// Appends key/value to layer a.layer of the cache named by `cache` and writes
 /// Y (query's dtype, output_shape(d)) to `y`. mask and seqlens_k may be null.

@@ -6,7 +6,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "ops/rotary.h"
+#include "kernels/rotary.h"
 
 namespace olep {
 namespace ops {
@@ -201,7 +201,7 @@ void gqa_attention(const GqaAttrs& a, const GqaInputs& in, const GqaShapes& s, v
   const size_t cache_row = static_cast<size_t>(s.rotary_dim / 2) * es;
   auto rotate = [&](int64_t b, int64_t t, const char* src, char* dst) {
     const size_t pos = static_cast<size_t>(s.past[static_cast<size_t>(b)] + t);
-    rotary_row(dt, src, static_cast<const char*>(in.cos_cache->data) + pos * cache_row,
+    kernels::rotary_row(dt, src, static_cast<const char*>(in.cos_cache->data) + pos * cache_row,
                static_cast<const char*>(in.sin_cache->data) + pos * cache_row, s.rotary_dim, D, a.rotary_interleaved, dst);
   };
 

@@ -24,7 +24,7 @@
 // nothing else is touched. Otherwise present has L = max(total_sequence_length,
 // past length) rows: [0, P_b) copied from past, [P_b, P_b + S) the new rows,
 // the rest zero. Padding rows of a first prompt are stored like the others.
-// Rotary (do_rotary=1, rotary.h): rotary_dim = 2 * cos_cache dim 1; position of
+// Rotary (do_rotary=1, kernels/rotary.h): rotary_dim = 2 * cos_cache dim 1; position of
 // new row s is s in a first prompt (for every sequence, padding or not) and
 // P_b + s otherwise; applied to Q and to K before K is stored.
 // Attention: query row s of sequence b sees keys j < seqlens_k[b] + 1 with

@@ -133,7 +133,8 @@ def _tensor_bytes(model: onnx.ModelProto) -> int:
 
 
 def convert(input_path, output_path, *, keep_present: Sequence[str] = (), sliding_window: Optional[int] = None,
-            cache_input: str = "kv_cache", check: bool = True, stage: Optional[str] = None):
+            cache_input: str = "kv_cache", check: bool = True, stage: Optional[str] = None,
+            fuse_gqa: bool = True):
     """Rewrite a decoder ONNX model so its attention uses a persistent ``KVCache``.
 
     Args:
@@ -160,6 +161,15 @@ def convert(input_path, output_path, *, keep_present: Sequence[str] = (), slidin
             that runs every step. A folder holding ``prefill.onnx`` and
             ``decode.onnx`` as ``input_path`` converts both (``stage`` must be
             None then) into the folder ``output_path``.
+        fuse_gqa: True (default): each ``com.microsoft.GroupQueryAttention``
+            becomes one ``CacheAttention`` that takes the packed QKV and the
+            rotary caches (``cos_cache``/``sin_cache``, ``rotary_interleaved``)
+            itself, one attention node per layer as in the original. False: the
+            QKV ``Split`` and two ``com.microsoft.RotaryEmbedding`` nodes (with
+            positions computed in the graph) stay in front of a ``CacheAttention``
+            on separate Q/K/V, the form written before the fused op existed;
+            kept to compare the two (same arithmetic) and for libraries without
+            the fused inputs.
 
     Returns:
         :class:`ConvertReport`, or for a folder a :class:`PairReport`
@@ -216,7 +226,8 @@ def convert(input_path, output_path, *, keep_present: Sequence[str] = (), slidin
     excluded: Dict[str, Refusal] = {}
     for _ in range(256):
         try:
-            res = attempt(original, base_dir, excluded, keep, sliding_window, cache_input, stage, windows_from_config)
+            res = attempt(original, base_dir, excluded, keep, sliding_window, cache_input, stage, windows_from_config,
+                          fuse_gqa)
         except ValueError as e:
             raise ConvertError(str(e)) from e
         if not res.new_refusals:

@@ -74,8 +74,13 @@ def _attrs_problem(attrs: dict) -> Optional[str]:
 
 
 def find_plans(ed: GraphEditor, sliding_window: Optional[int],
-               config_windows: Optional[List[Optional[int]]] = None) -> Tuple[List[LayerPlan], List[Refusal]]:
+               config_windows: Optional[List[Optional[int]]] = None,
+               fuse_gqa: bool = True) -> Tuple[List[LayerPlan], List[Refusal]]:
     """All plans and refusals of the current graph, plans in node order.
+
+    ``fuse_gqa``: ``GroupQueryAttention`` becomes one ``CacheAttention`` taking the packed
+    QKV and the rotary caches itself (False: QKV ``Split`` and ``RotaryEmbedding`` nodes in
+    front of it, see ``_gqa``).
 
     ``config_windows``: per-layer windows from the model's config.json
     (``_config_windows``), applied only when the attentions found (converted or
@@ -83,7 +88,8 @@ def find_plans(ed: GraphEditor, sliding_window: Optional[int],
     """
     plans, refusals, found = [], [], []
     for node in list(ed.graph.node):
-        r = match_gqa(ed, node) or match_attention(ed, node) or match_mha(ed, node) or match_ms_attention(ed, node)
+        r = (match_gqa(ed, node, fuse=fuse_gqa) or match_attention(ed, node) or match_mha(ed, node)
+             or match_ms_attention(ed, node))
         if isinstance(r, LayerPlan) and sliding_window is not None:
             # The decomposed matcher applies the option itself; the others get it here.
             had = int(r.attrs.get("local_window_size", -1))
@@ -160,13 +166,14 @@ def io_names(ed: GraphEditor) -> Dict[str, Optional[str]]:
 
 def attempt(original: onnx.ModelProto, base_dir: Optional[str], excluded: Dict[str, Refusal],
             keep_present: Sequence[str], sliding_window: Optional[int], cache_input: str,
-            stage: Optional[str] = None, config_windows: Optional[List[Optional[int]]] = None) -> Attempt:
+            stage: Optional[str] = None, config_windows: Optional[List[Optional[int]]] = None,
+            fuse_gqa: bool = True) -> Attempt:
     """One conversion attempt on a copy of ``original`` (see module docstring)."""
     model = copy.deepcopy(original)
     ed = GraphEditor(model, base_dir)
     ed.infer_shapes()
     res = Attempt(model=model)
-    plans, refusals = find_plans(ed, sliding_window, config_windows)
+    plans, refusals = find_plans(ed, sliding_window, config_windows, fuse_gqa)
     res.refusals = list(refusals) + list(excluded.values())
     plans = [p for p in plans if p.anchor_name not in excluded]
     # Two attentions sharing one past cannot both own it.
@@ -206,11 +213,10 @@ def attempt(original: onnx.ModelProto, base_dir: Optional[str], excluded: Dict[s
     ys, cas = [], []  # per layer: the output consumers read, the CacheAttention output
     for layer, p in enumerate(plans):
         ops = p.prepare(ed)
-        ins = [ops.query, ops.key, ops.value, cache_input]
-        if ops.mask or ops.seqlens_k:
-            ins.append(ops.mask)
-        if ops.seqlens_k:
-            ins.append(ops.seqlens_k)
+        # Schema order; trailing absent inputs are dropped, absent ones in between stay "".
+        ins = [ops.query, ops.key, ops.value, cache_input, ops.mask, ops.seqlens_k, ops.cos_cache, ops.sin_cache]
+        while not ins[-1]:
+            ins.pop()
         y = ed.add_node1("CacheAttention", ins, hint=f"layer{layer}/cache_attention", domain=DOMAIN,
                          layer=layer, **p.attrs)
         _copy_value_info(ed, p.y_old, y)

@@ -19,9 +19,24 @@ tests/rewrite:
   as ``ReduceSum(attention_mask) − 1``) feeds it unchanged.
 - ``do_rotary``: the op rotates Q and K with ``cos_cache``/``sin_cache`` at
   positions ``s`` (first prompt: ``total_sequence_length == S``) or
-  ``seqlens_k[b] + 1 − S + s`` otherwise. The rewrite computes exactly these
-  positions in the graph and applies ``com.microsoft.RotaryEmbedding`` (the
-  kernel GQA itself calls) to Q and K before ``CacheAttention``.
+  ``seqlens_k[b] + 1 − S + s`` otherwise, and caches K rotated.
+
+Fused form (the default, ``fuse=True``): one ``CacheAttention`` per layer, as
+the original has one GroupQueryAttention: it takes the packed ``query`` with
+``key``/``value`` absent, and ``cos_cache``/``sin_cache`` (+ ``rotary_interleaved``)
+as its inputs 6 and 7, rotating Q and the new K before the append at positions
+``P_b + s`` where ``P_b`` is the cache's own length of row ``b``. These are
+GQA's positions whenever GQA's own inputs are consistent: a first prompt has
+``P_b = 0``; afterwards ``seqlens_k[b] + 1 − S = P_b`` for rows whose ``S``
+tokens are all valid (ORT's CPU kernel takes ``S > 1`` after the first prompt
+for batch 1 only, and a padded such row has no past length GQA could derive).
+Unfused form (``fuse=False``): a QKV ``Split`` and ``com.microsoft.RotaryEmbedding``
+(the kernel GQA itself calls) on Q and K, with exactly GQA's positions computed
+in the graph, in front of a ``CacheAttention`` on separate Q/K/V. Both do the
+same arithmetic (bit-identical outputs, tests/differential); the unfused form
+stays for comparisons and for libraries that predate the fused inputs. The
+fused op covers every GroupQueryAttention this matcher converts, so nothing
+falls back to the unfused form on its own.
 - ``local_window_size = W``: a query sees W keys including itself, as
   CacheAttention's ``local_window_size`` (verified on ORT 1.32 CPU).
 - ``softcap`` is applied to the scaled scores before masking in both ops.
@@ -61,8 +76,12 @@ PATTERN = "GroupQueryAttention"
 
 
 
-def match_gqa(ed: GraphEditor, node: onnx.NodeProto) -> Union[LayerPlan, Refusal, None]:
-    """Plan for one ``GroupQueryAttention`` node, a :class:`Refusal`, or None if not GQA."""
+def match_gqa(ed: GraphEditor, node: onnx.NodeProto, fuse: bool = True) -> Union[LayerPlan, Refusal, None]:
+    """Plan for one ``GroupQueryAttention`` node, a :class:`Refusal`, or None if not GQA.
+
+    ``fuse``: one ``CacheAttention`` taking packed QKV and the rotary caches (module docstring);
+    False: QKV ``Split`` and ``RotaryEmbedding`` nodes in front of it.
+    """
     if node.op_type != "GroupQueryAttention" or node.domain != MS_DOMAIN:
         return None
     name = anchor_name(node)
@@ -170,17 +189,28 @@ def match_gqa(ed: GraphEditor, node: onnx.NodeProto) -> Union[LayerPlan, Refusal
         attrs["softcap"] = softcap
     if window > 0:
         attrs["local_window_size"] = window
+    if fuse and do_rotary:
+        attrs["rotary_interleaved"] = interleaved
     notes = []
-    if packed:
+    if fuse and (packed or do_rotary):
+        notes.append("one CacheAttention per layer: " + " and ".join(
+            (["packed QKV"] if packed else []) +
+            ([f"rotary (rotary_dim {rot_dim}{', interleaved' if interleaved else ''}, positions from the cache)"]
+             if do_rotary else [])) + " taken by the op as GroupQueryAttention takes them")
+    if packed and not fuse:
         notes.append(f"packed QKV split into q/k/v ({hq}, {hkv}, {hkv} heads of {head_dim})")
     if swc:
         notes.append(f"window-sized past/present (sliding_window_cache=1, {window} positions) replaced by the cache; "
                      f"KVCache.for_model releases this layer's pages beyond the window")
-    if do_rotary:
+    if do_rotary and not fuse:
         notes.append("rotary moved out of the attention into com.microsoft.RotaryEmbedding with positions "
                      "computed from seqlens_k/total_sequence_length")
 
     def prepare(ed: GraphEditor) -> Operands:
+        if fuse:
+            return Operands(query, key if not packed else "", value if not packed else "", mask=bias,
+                            seqlens_k=seqlens_k, cos_cache=cos if do_rotary else "",
+                            sin_cache=sin if do_rotary else "")
         h = f"L/{name}"
         q, k, v = query, key, value
         if packed:
@@ -202,7 +232,7 @@ def match_gqa(ed: GraphEditor, node: onnx.NodeProto) -> Union[LayerPlan, Refusal
         pattern=PATTERN, anchor=node, y_old=node.output[0], past_key=past_k, past_value=past_v,
         present_key=present_k, present_value=present_v, q_num_heads=hq, kv_num_heads=hkv,
         head_dim=head_dim, v_head_dim=v_head_dim, elem_type=elem_type, attrs=attrs, prepare=prepare,
-        padding="right", notes=notes, needs_ms_domain=do_rotary, past_capacity=window if swc else None,
+        padding="right", notes=notes, needs_ms_domain=bool(do_rotary and not fuse), past_capacity=window if swc else None,
     )
 
 

@@ -45,6 +45,8 @@ class Operands:
     value: str
     mask: str = ""
     seqlens_k: str = ""
+    cos_cache: str = ""
+    sin_cache: str = ""
 
 
 @dataclass

@@ -1,4 +1,4 @@
-// GroupQueryAttention tensor semantics (ops/gqa_tensor.h) and rotary (ops/rotary.h)
+// GroupQueryAttention tensor semantics (ops/gqa_tensor.h) and rotary (kernels/rotary.h)
 // through the ORT-free op API, against a naive double-precision reference of ORT's
 // CPU kernel: first prompt with right padding (both padding-row rules), decode with
 // separate and shared past/present buffers, packed QKV, rotary; validation texts.
@@ -10,10 +10,11 @@
 
 #include "check.h"
 #include "ops/gqa_tensor.h"
-#include "ops/rotary.h"
+#include "kernels/rotary.h"
 
 using namespace olep;
 using namespace olep::ops;
+using olep::kernels::rotary_row;
 
 namespace {
 
@@ -260,8 +261,18 @@ void test_rotary_row() {
     const float a = half_to_float(h[i]), b = half_to_float(h[i + 8]);
     CHECK(hy[i] == float_to_half(a * half_to_float(hc[i]) - b * half_to_float(hs[i])));
   }
-  EXPECT_THROW(rotary_row(DType::kBFloat16, h.data(), hc.data(), hs.data(), 16, 32, false, hy.data()),
-               std::invalid_argument, "expected float32 or float16");
+  // bfloat16: widened, rotated in float32 with separate products, rounded once (interleaved here).
+  std::vector<uint16_t> b(32), bc(8), bs(8), by(32);
+  for (int i = 0; i < 32; ++i) b[i] = float_to_bf16(x[i]);
+  for (int i = 0; i < 8; ++i) bc[i] = float_to_bf16(c[i]), bs[i] = float_to_bf16(s[i]);
+  rotary_row(DType::kBFloat16, b.data(), bc.data(), bs.data(), 16, 32, true, by.data());
+  for (int64_t i = 0; i < 8; ++i) {
+    const float a = bf16_to_float(b[2 * i]), bb = bf16_to_float(b[2 * i + 1]);
+    const float ci = bf16_to_float(bc[i]), si = bf16_to_float(bs[i]);
+    CHECK(by[2 * i] == float_to_bf16(a * ci - bb * si));
+    CHECK(by[2 * i + 1] == float_to_bf16(bb * ci + a * si));
+  }
+  for (int64_t i = 16; i < 32; ++i) CHECK(by[i] == b[i]);
 }
 
 }  // namespace

@@ -7,7 +7,7 @@ Both KV contracts are exercised over a right-padded batch-2 prompt and >= 10 dec
 steps: separate past/present tensors fed back, and one buffer of capacity
 max_sequence_length bound (IOBinding) to both past_key and present_key.
 Presents are compared bit-exactly (copies; with rotary the rotated K follows ORT's
-rounding on this CPU, see custom_ops/ops/rotary.h); outputs within fp32 atol 1e-5 /
+rounding on this CPU, see custom_ops/kernels/rotary.h); outputs within fp32 atol 1e-5 /
 rtol 1e-4, fp16 2e-2 (tests/reference.py), every row including prompt padding rows.
 Every test asserts from ORT's profile which provider ran the GQA node.
 Runs once per ISA level (tests/differential/conftest.py)."""

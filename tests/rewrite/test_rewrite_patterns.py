@@ -57,9 +57,22 @@ def test_pattern_matches_plain_ort(name, batch, tmp_path):
     assert all(onnx.helper.get_attribute_value(a) == 1 for n in out.graph.node if n.op_type == "CacheAttention"
                for a in n.attribute if a.name == "commit_node")
     assert not {"GroupQueryAttention", "Attention", "Softmax"} & set(ops)
+    if pattern == "GroupQueryAttention":  # one attention node per layer, as the original has
+        assert not {"Split", "RotaryEmbedding"} & set(ops), ops
     layers = [onnx.helper.get_attribute_value(a) for n in out.graph.node if n.op_type == "CacheAttention"
               for a in n.attribute if a.name == "layer"]
     assert layers == [0, 1]
+
+
+@pytest.mark.parametrize("name", ["gqa_packed_rotary", "gqa_rotary_interleaved_softcap"])
+def test_unfused_gqa_form_matches_plain_ort(name, tmp_path):
+    """convert(fuse_gqa=False) keeps QKV Split / RotaryEmbedding in front of CacheAttention."""
+    make, padding, _ = PATTERNS[name]
+    report, src, dst = H.convert_model(make(layers=2), tmp_path, name, fuse_gqa=False)
+    H.greedy_steps(src, dst, report, [PROMPT, PROMPT[3:]], 16, padding=padding, atol=1e-4)
+    ops = [n.op_type for n in onnx.load(dst).graph.node]
+    assert ops.count("CacheAttention") == 2 and ops.count("RotaryEmbedding") == 4
+    assert ("Split" in ops) == (name == "gqa_packed_rotary")
 
 
 def test_cache_attention_runs_on_the_ep(tmp_path, providers_that_ran, olep):

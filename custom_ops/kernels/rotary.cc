@@ -1,13 +1,12 @@
 // Built with -ffp-contract=off (CMakeLists.txt): the separate-product form must
 // not be contracted into FMAs by the compiler, the fused form uses std::fma.
-#include "ops/rotary.h"
+#include "kernels/rotary.h"
 
 #include <cmath>
 #include <cstring>
-#include <stdexcept>
 
 namespace olep {
-namespace ops {
+namespace kernels {
 namespace {
 
 // Pair index i -> positions (ia, ib) of its two elements.
@@ -39,17 +38,19 @@ void rotate_f32(const float* x, const float* c, const float* s, int64_t rotary_d
   }
 }
 
-void rotate_f16(const uint16_t* x, const uint16_t* c, const uint16_t* s, int64_t rotary_dim, bool interleaved,
-                uint16_t* y) {
+// 16-bit storage (float16 or bfloat16): widen, separate products in float32, round once.
+template <float (*Load)(uint16_t), uint16_t (*Store)(float)>
+void rotate_16(const uint16_t* x, const uint16_t* c, const uint16_t* s, int64_t rotary_dim, bool interleaved,
+               uint16_t* y) {
   const int64_t half = rotary_dim / 2;
   for (int64_t i = 0; i < half; ++i) {
     int64_t ia, ib;
     pair_at(i, half, interleaved, &ia, &ib);
-    const float a = half_to_float(x[ia]), b = half_to_float(x[ib]);
-    const float cf = half_to_float(c[i]), sf = half_to_float(s[i]);
+    const float a = Load(x[ia]), b = Load(x[ib]);
+    const float cf = Load(c[i]), sf = Load(s[i]);
     const float ac = a * cf, bs = b * sf, bc = b * cf, as = a * sf;
-    y[ia] = float_to_half(ac - bs);
-    y[ib] = float_to_half(bc + as);
+    y[ia] = Store(ac - bs);
+    y[ib] = Store(bc + as);
   }
 }
 
@@ -72,15 +73,20 @@ bool ort_rotary_fused_fp32() {
 void rotary_row(DType dt, const void* in, const void* cos, const void* sin, int64_t rotary_dim, int64_t head_dim,
                 bool interleaved, void* out) {
   const size_t es = dtype_size(dt);
-  if (dt == DType::kFloat32) {
-    rotate_f32(static_cast<const float*>(in), static_cast<const float*>(cos), static_cast<const float*>(sin),
-               rotary_dim, interleaved, ort_rotary_fused_fp32(), static_cast<float*>(out));
-  } else if (dt == DType::kFloat16) {
-    rotate_f16(static_cast<const uint16_t*>(in), static_cast<const uint16_t*>(cos), static_cast<const uint16_t*>(sin),
-               rotary_dim, interleaved, static_cast<uint16_t*>(out));
-  } else {
-    throw std::invalid_argument(std::string("rotary_row: element type; expected float32 or float16, got ") +
-                                dtype_name(dt));
+  const auto* x16 = static_cast<const uint16_t*>(in);
+  const auto* c16 = static_cast<const uint16_t*>(cos);
+  const auto* s16 = static_cast<const uint16_t*>(sin);
+  switch (dt) {
+    case DType::kFloat32:
+      rotate_f32(static_cast<const float*>(in), static_cast<const float*>(cos), static_cast<const float*>(sin),
+                 rotary_dim, interleaved, ort_rotary_fused_fp32(), static_cast<float*>(out));
+      break;
+    case DType::kFloat16:
+      rotate_16<half_to_float, float_to_half>(x16, c16, s16, rotary_dim, interleaved, static_cast<uint16_t*>(out));
+      break;
+    case DType::kBFloat16:
+      rotate_16<bf16_to_float, float_to_bf16>(x16, c16, s16, rotary_dim, interleaved, static_cast<uint16_t*>(out));
+      break;
   }
   if (rotary_dim < head_dim)
     std::memcpy(static_cast<char*>(out) + static_cast<size_t>(rotary_dim) * es,
@@ -88,5 +94,5 @@ void rotary_row(DType dt, const void* in, const void* cos, const void* sin, int6
                 static_cast<size_t>(head_dim - rotary_dim) * es);
 }
 
-}  // namespace ops
+}  // namespace kernels
 }  // namespace olep
