@@ -121,6 +121,49 @@ def test_smollm2_france_same_greedy_ids(tmp_path):
     assert "Paris" in result.texts[0]
 
 
+def test_smollm2_one_attention_node_per_layer_same_logits_as_unfused(tmp_path):
+    """The default conversion keeps genai's one attention node per layer (packed QKV and rotary
+    inside CacheAttention: no Split, no RotaryEmbedding) and gives bit-identical logits to the
+    unfused form (QKV Split + RotaryEmbedding in front of CacheAttention) over a padded batch of
+    two rows, prefill then decode steps."""
+    import onnx
+    import onnxruntime as ort
+
+    import onnx_light_ep as ole
+    from onnx_light_ep.models.smollm2 import ensure_smollm2_onnx
+
+    src = os.path.join(ensure_smollm2_onnx(progress=False), "model.onnx")
+    original = onnx.load(src, load_external_data=False)
+    layers = sum(n.op_type == "GroupQueryAttention" for n in original.graph.node)
+    paths = {}
+    for fuse in (True, False):
+        paths[fuse] = str(tmp_path / f"fuse{int(fuse)}" / "model.onnx")
+        convert(src, paths[fuse], fuse_gqa=fuse)
+    ops = {k: [n.op_type for n in onnx.load(p, load_external_data=False).graph.node] for k, p in paths.items()}
+    assert layers == 30 and ops[True].count("CacheAttention") == layers
+    assert not {"Split", "RotaryEmbedding", "GroupQueryAttention"} & set(ops[True])
+    assert ops[False].count("RotaryEmbedding") == 2 * layers and ops[False].count("Split") == layers
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    sessions = {k: ole.InferenceSession(p, so) for k, p in paths.items()}
+    caches = {k: ole.KVCache.for_model(p, 2, 64) for k, p in paths.items()}
+    rng = np.random.default_rng(3)
+    ids = rng.integers(100, 40000, size=(2, 11), dtype=np.int64)
+    mask = np.ones_like(ids)
+    mask[1, 7:] = 0  # row 1: 7 tokens, right-padded
+    try:
+        for step in range(9):
+            logits = {k: s.run(["logits"], {"input_ids": ids, "attention_mask": mask, "kv_cache": caches[k].handle})[0]
+                      for k, s in sessions.items()}
+            assert np.array_equal(logits[True], logits[False]), f"step {step}: fused and unfused logits differ"
+            nxt = np.array([[logits[True][0, -1].argmax()], [logits[True][1, 6 if step == 0 else -1].argmax()]])
+            ids = nxt.astype(np.int64)
+            mask = np.concatenate([mask, np.ones((2, 1), np.int64)], axis=1)  # row 1's padding stays 0
+    finally:
+        for c in caches.values():
+            c.close()
+
+
 @pytest.mark.parametrize("which", ["original", "converted"])
 def test_compare_missing_file_names_the_argument(tmp_path, which):
     """compare() names its own argument for a missing file (not an inner convert step)."""
