@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "check.h"
+#include "kernels/rotary.h"
 #include "kvcache/registry.h"
 #include "ops/cache_attention.h"
 
@@ -234,6 +235,109 @@ void test_cache_shape() {
   Registry::instance().release_cache(h);
 }
 
+void test_packed_rotary_equals_prerotated() {
+  // Packed QKV + cos/sin (the fused GroupQueryAttention form) against separate Q/K/V rotated
+  // beforehand with the same kernel at positions P_b + s: bit-identical Y and cache, for a
+  // right-padded prompt (lengths 3 and 2) and two decode steps; then a position past the table.
+  const int64_t B = 2, Hq = 4, Hkv = 2, D = 16, R = 8, M = 8;  // rotary_dim R < D: partial
+  const int64_t W = (Hq + 2 * Hkv) * D;
+  std::vector<float> cos(static_cast<size_t>(M * R / 2)), sin(cos.size());
+  for (int64_t p = 0; p < M; ++p)
+    for (int64_t i = 0; i < R / 2; ++i) {
+      cos[static_cast<size_t>(p * R / 2 + i)] = std::cos(0.3f * static_cast<float>(p * (i + 1)));
+      sin[static_cast<size_t>(p * R / 2 + i)] = std::sin(0.3f * static_cast<float>(p * (i + 1)));
+    }
+  for (int64_t inter : {0, 1}) {
+    const int64_t hf = make_cache(1, B, Hkv, D, 16), hr = make_cache(1, B, Hkv, D, 16);
+    CacheAttentionAttrs a;
+    a.layer = 0;
+    a.is_causal = 1;
+    a.q_num_heads = Hq;
+    a.kv_num_heads = Hkv;
+    a.rotary_interleaved = inter;
+    std::vector<int64_t> past = {0, 0};
+    uint32_t seed = 50;
+    for (int64_t S : {3, 1, 1}) {
+      std::vector<int32_t> sk = {static_cast<int32_t>(past[0] + S - 1), static_cast<int32_t>(past[1] + (S == 3 ? 1 : 0))};
+      Tensor seq;
+      seq.type = ElemType::kInt32;
+      seq.shape = {B};
+      seq.data = sk.data();
+      const auto x = randn(static_cast<size_t>(B * S * W), seed++);
+      std::vector<float> q(static_cast<size_t>(B * S * Hq * D)), k(static_cast<size_t>(B * S * Hkv * D)), v(k.size());
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t s = 0; s < S; ++s) {
+          const float* row = x.data() + (b * S + s) * W;
+          const bool valid = s <= sk[static_cast<size_t>(b)] - past[static_cast<size_t>(b)];
+          const size_t pos = static_cast<size_t>(past[static_cast<size_t>(b)] + s);
+          auto put = [&](const float* src, float* dst) {
+            if (valid) {
+              kernels::rotary_row(DType::kFloat32, src, cos.data() + pos * R / 2, sin.data() + pos * R / 2, R, D,
+                                  inter != 0, dst);
+            } else {
+              std::copy(src, src + D, dst);
+            }
+          };
+          for (int64_t h = 0; h < Hq; ++h) put(row + h * D, q.data() + ((b * S + s) * Hq + h) * D);
+          for (int64_t h = 0; h < Hkv; ++h) {
+            put(row + (Hq + h) * D, k.data() + ((b * S + s) * Hkv + h) * D);
+            std::copy(row + (Hq + Hkv + h) * D, row + (Hq + Hkv + h + 1) * D, v.data() + ((b * S + s) * Hkv + h) * D);
+          }
+        }
+      const Tensor tx = f32(x, {B, S, W}), tc = f32(cos, {M, R / 2}), ts = f32(sin, {M, R / 2});
+      const Tensor cf = i64(&hf, {1});
+      CacheAttentionInputs in;
+      in.query = &tx;
+      in.cache = &cf;
+      in.seqlens_k = &seq;
+      in.cos_cache = &tc;
+      in.sin_cache = &ts;
+      std::vector<float> yf(static_cast<size_t>(B * S * Hq * D)), yr(yf.size());
+      CHECK((output_shape(cache_attention_dims(a, in)) == std::vector<int64_t>{B, S, Hq * D}));
+      cache_attention(a, in, yf.data(), nullptr);
+      CacheAttentionAttrs plain = a;
+      plain.rotary_interleaved = 0;
+      cache_attention(plain, f32(q, {B, S, Hq * D}), f32(k, {B, S, Hkv * D}), f32(v, {B, S, Hkv * D}), i64(&hr, {1}),
+                      nullptr, &seq, yr.data(), nullptr);
+      CHECK(yf == yr);
+      for (int64_t b = 0; b < B; ++b) past[static_cast<size_t>(b)] = sk[static_cast<size_t>(b)] + 1;
+    }
+    std::vector<float> kf, vf, kr, vr;
+    auto grab = [](std::vector<float>& kk, std::vector<float>& vv) {
+      return [&](const std::vector<int64_t>& ks, const std::vector<int64_t>& vs, DType) {
+        kk.assign(static_cast<size_t>(ks[0] * ks[1] * ks[2] * ks[3]), 1.0f);
+        vv.assign(static_cast<size_t>(vs[0] * vs[1] * vs[2] * vs[3]), 1.0f);
+        return std::make_pair<void*, void*>(kk.data(), vv.data());
+      };
+    };
+    cache_export(0, i64(&hf, {1}), grab(kf, vf));
+    cache_export(0, i64(&hr, {1}), grab(kr, vr));
+    CHECK(kf == kr && vf == vr);
+    // Past lengths are now {5, 4}: 4 new rows of sequence 0 reach position 8 = the table's length.
+    const int64_t S = 4;
+    std::vector<int32_t> sk = {8, 4};
+    Tensor seq;
+    seq.type = ElemType::kInt32;
+    seq.shape = {B};
+    seq.data = sk.data();
+    const auto x = randn(static_cast<size_t>(B * S * W), 99);
+    const Tensor tx = f32(x, {B, S, W}), tc = f32(cos, {M, R / 2}), ts = f32(sin, {M, R / 2});
+    const Tensor cf = i64(&hf, {1});
+    CacheAttentionInputs in;
+    in.query = &tx;
+    in.cache = &cf;
+    in.seqlens_k = &seq;
+    in.cos_cache = &tc;
+    in.sin_cache = &ts;
+    std::vector<float> y(static_cast<size_t>(B * S * Hq * D));
+    EXPECT_THROW(cache_attention(a, in, y.data(), nullptr), std::invalid_argument,
+                 "rotary position 8 of sequence 0 (past length 5 + 4 new rows - 1); expected < max_position = 8");
+    CHECK((Registry::instance().cache(hf)->seq_lens() == std::vector<int64_t>{5, 4}));
+    Registry::instance().release_cache(hf);
+    Registry::instance().release_cache(hr);
+  }
+}
+
 }  // namespace
 
 int main() {
@@ -241,5 +345,6 @@ int main() {
   test_3d_equals_4d_and_export();
   test_seqlens_k_right_padding();
   test_cache_shape();
+  test_packed_rotary_equals_prerotated();
   TEST_MAIN_END();
 }
