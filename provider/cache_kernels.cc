@@ -27,7 +27,8 @@ OrtStatus* CacheAttentionKernel::compute(OrtKernelContext* ctx) const {
   try {
     for (int i = 0; i < 8; ++i)
       if (input(ctx, in[i], &t[i])) *slots[i] = &t[i];
-    if (!ins.query || !ins.cache) throw std::invalid_argument("CacheAttention: inputs 'query' and 'cache' are required");
+    if (!ins.query || !ins.cache)
+      throw std::invalid_argument("CacheAttention: inputs 'query' and 'cache' are required");
     const ops::AttentionDims d = ops::cache_attention_dims(attrs, ins);
     // Validate everything that can fail before allocating Y and touching the cache.
     void* y = alloc_output(ctx, static_cast<size_t>(out), ops::output_shape(d));

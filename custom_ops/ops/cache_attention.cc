@@ -68,8 +68,8 @@ AttentionDims cache_attention_dims(const CacheAttentionAttrs& a, const CacheAtte
     // Packed QKV (GroupQueryAttention with key/value absent): [B, S, (Hq + 2*Hkv)*D], q, k, v heads.
     if (!is_float(q.type)) fail("input 'query' type", "float, float16 or bfloat16", elem_type_name(q.type));
     if (q.shape.size() != 3)
-      fail("input 'query' with 'key'/'value' absent (packed QKV)", "rank 3 [B, S, (q_num_heads + 2*kv_num_heads)*head_dim]",
-           desc(q));
+      fail("input 'query' with 'key'/'value' absent (packed QKV)",
+           "rank 3 [B, S, (q_num_heads + 2*kv_num_heads)*head_dim]", desc(q));
     if (a.q_num_heads <= 0 || a.kv_num_heads <= 0 || a.q_num_heads % a.kv_num_heads != 0)
       fail("attributes 'q_num_heads'/'kv_num_heads' with packed QKV", "positive, q_num_heads % kv_num_heads == 0",
            str(a.q_num_heads) + "/" + str(a.kv_num_heads));
@@ -95,7 +95,8 @@ AttentionDims cache_attention_dims(const CacheAttentionAttrs& a, const CacheAtte
              elem_type_name(t->type));
       if (t->shape.size() != 2 || t->shape[0] < 1 || t->shape[1] < 1 || 2 * t->shape[1] > d.head_dim)
         fail("input " + name + " shape",
-             "[max_position >= 1, rotary_dim/2] with 1 <= rotary_dim/2 <= head_dim/2 = " + str(d.head_dim / 2), desc(*t));
+             "[max_position >= 1, rotary_dim/2] with 1 <= rotary_dim/2 <= head_dim/2 = " + str(d.head_dim / 2),
+             desc(*t));
     }
     if (in.sin_cache->shape != in.cos_cache->shape)
       fail("input 'sin_cache' shape", shape_str(in.cos_cache->shape) + " (the shape of 'cos_cache')",
@@ -165,8 +166,8 @@ void cache_attention_impl(const CacheAttentionAttrs& a, const CacheAttentionInpu
   if (g.dtype != dt)
     fail(std::string("input 'cache' stores ") + dtype_name(g.dtype) + " but 'query' is " + elem_type_name(query.type));
   if (g.kv_num_heads != d.kv_heads)
-    fail("input 'cache' has kv_num_heads=" + str(g.kv_num_heads) + " but " + (in.key ? "'key'" : "'query' (packed QKV)") +
-         " has " + str(d.kv_heads));
+    fail("input 'cache' has kv_num_heads=" + str(g.kv_num_heads) + " but " +
+         (in.key ? "'key'" : "'query' (packed QKV)") + " has " + str(d.kv_heads));
   if (g.head_dim != d.head_dim)
     fail("input 'cache' has head_dim=" + str(g.head_dim) + " but " + (in.key ? "'key'" : "'query' (packed QKV)") +
          " has " + str(d.head_dim));

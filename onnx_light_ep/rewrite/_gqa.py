@@ -232,7 +232,8 @@ def match_gqa(ed: GraphEditor, node: onnx.NodeProto, fuse: bool = True) -> Union
         pattern=PATTERN, anchor=node, y_old=node.output[0], past_key=past_k, past_value=past_v,
         present_key=present_k, present_value=present_v, q_num_heads=hq, kv_num_heads=hkv,
         head_dim=head_dim, v_head_dim=v_head_dim, elem_type=elem_type, attrs=attrs, prepare=prepare,
-        padding="right", notes=notes, needs_ms_domain=bool(do_rotary and not fuse), past_capacity=window if swc else None,
+        padding="right", notes=notes, needs_ms_domain=bool(do_rotary and not fuse),
+        past_capacity=window if swc else None,
     )
 
 

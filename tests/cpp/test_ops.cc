@@ -258,7 +258,9 @@ void test_packed_rotary_equals_prerotated() {
     std::vector<int64_t> past = {0, 0};
     uint32_t seed = 50;
     for (int64_t S : {3, 1, 1}) {
-      std::vector<int32_t> sk = {static_cast<int32_t>(past[0] + S - 1), static_cast<int32_t>(past[1] + (S == 3 ? 1 : 0))};
+      // Sequence 1 has 2 valid rows of the 3-row prompt (right padding), then 1 per step.
+      std::vector<int32_t> sk = {static_cast<int32_t>(past[0] + S - 1),
+                                 static_cast<int32_t>(past[1] + (S == 3 ? 1 : 0))};
       Tensor seq;
       seq.type = ElemType::kInt32;
       seq.shape = {B};
