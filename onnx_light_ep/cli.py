@@ -94,7 +94,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     try:
         report = convert(args.input, args.output, keep_present=args.keep_present or (),
                          sliding_window=args.sliding_window, cache_input=args.cache_input, check=not args.no_check,
-                         stage=args.stage)
+                         stage=args.stage, fuse_gqa=not args.no_fuse_gqa)
     except (ConvertError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -343,6 +343,9 @@ def _add_rewrite_commands(sub) -> None:
                    help="sliding window for attentions whose graph carries none (recorded in the metadata)")
     p.add_argument("--cache-input", default="kv_cache", help="name of the added cache-handle input")
     p.add_argument("--no-check", action="store_true", help="skip onnx.checker on the result")
+    p.add_argument("--no-fuse-gqa", action="store_true",
+                   help="GroupQueryAttention: keep a QKV Split and RotaryEmbedding nodes in front of CacheAttention "
+                        "instead of one CacheAttention taking the packed QKV and rotary (same results)")
     p.add_argument("--json", metavar="FILE", help="write the report as JSON")
     p.set_defaults(func=_cmd_convert)
 

@@ -30,6 +30,18 @@ def test_convert_command(tmp_path, capsys):
     assert [i.name for i in onnx.load(dst).graph.input] == ["input_ids", "attention_mask", "kv_cache"]
 
 
+@pytest.mark.parametrize("flag", [[], ["--no-fuse-gqa"]])
+def test_convert_command_gqa_form(tmp_path, flag):
+    """Packed QKV + rotary: one CacheAttention per layer by default; --no-fuse-gqa keeps the
+    QKV Split and the RotaryEmbedding nodes in front of it."""
+    src = _model(tmp_path, d=16, packed=True, do_rotary=True)
+    dst = str(tmp_path / "out.onnx")
+    assert main(["convert", src, "-o", dst] + flag) == 0
+    ops = [n.op_type for n in onnx.load(dst).graph.node]
+    assert ops.count("CacheAttention") == 2
+    assert (ops.count("Split"), ops.count("RotaryEmbedding")) == ((2, 4) if flag else (0, 0))
+
+
 def test_convert_command_errors(tmp_path, capsys):
     g = G.GB()
     g.inp("x", 1, ["n", 4])
