@@ -85,8 +85,10 @@ def test_fused_equals_unfused_and_ort_gqa(cfg, tmp_path):
 
     so = ort_utils.new_session_options()
     cpu = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
-    s_f = onnx_light_ep.InferenceSession(fused, ort_utils.new_session_options())
-    s_u = onnx_light_ep.InferenceSession(unfused, ort_utils.new_session_options())
+    (tmp_path / "f").mkdir()
+    (tmp_path / "u").mkdir()
+    s_f = onnx_light_ep.InferenceSession(fused, ort_utils.new_session_options(tmp_path / "f"))
+    s_u = onnx_light_ep.InferenceSession(unfused, ort_utils.new_session_options(tmp_path / "u"))
     B, S = len(PROMPT_LENS), int(PROMPT_LENS.max())
     c_f = onnx_light_ep.KVCache.for_model(fused, B, MAX_LEN)
     c_u = onnx_light_ep.KVCache.for_model(unfused, B, MAX_LEN)
@@ -122,6 +124,8 @@ def test_fused_equals_unfused_and_ort_gqa(cfg, tmp_path):
     finally:
         c_f.close()
         c_u.close()
+    for s in (s_f, s_u):  # the fused (and the unfused) CacheAttention ran on the EP
+        assert ort_utils.end_profile_providers(s, "CacheAttention") == {ort_utils.EP_NAME}
 
 
 # -- a hand-made fused node: bf16, and bad inputs -------------------------------------------------
