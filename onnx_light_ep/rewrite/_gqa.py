@@ -20,6 +20,18 @@ tests/rewrite:
 - ``do_rotary``: the op rotates Q and K with ``cos_cache``/``sin_cache`` at
   positions ``s`` (first prompt: ``total_sequence_length == S``) or
   ``seqlens_k[b] + 1 − S + s`` otherwise, and caches K rotated.
+- ``local_window_size = W``: a query sees W keys including itself, as
+  CacheAttention's ``local_window_size`` (verified on ORT 1.32 CPU).
+- ``softcap`` is applied to the scaled scores before masking in both ops.
+- ``sliding_window_cache = 1`` (the genai builder's default for
+  sliding-window layers): the past/present buffers hold only the last
+  ``local_window_size`` positions (fixed capacity, oldest rows overwritten)
+  while ``seqlens_k``/``total_sequence_length`` and the rotary positions stay
+  absolute, so the attention is the same local-window attention over absolute
+  positions: it converts like ``local_window_size = W`` on a full past (the
+  cache evicts pages beyond the window). The capacity is recorded as the
+  layer's ``past_capacity`` so ``compare`` feeds the original W-sized buffers
+  (verified on ORT 1.32 CPU and against onnxruntime-genai's own generator).
 
 Fused form (the default, ``fuse=True``): one ``CacheAttention`` per layer, as
 the original has one GroupQueryAttention: it takes the packed ``query`` with
@@ -37,18 +49,6 @@ same arithmetic (bit-identical outputs, tests/differential); the unfused form
 stays for comparisons and for libraries that predate the fused inputs. The
 fused op covers every GroupQueryAttention this matcher converts, so nothing
 falls back to the unfused form on its own.
-- ``local_window_size = W``: a query sees W keys including itself, as
-  CacheAttention's ``local_window_size`` (verified on ORT 1.32 CPU).
-- ``softcap`` is applied to the scaled scores before masking in both ops.
-- ``sliding_window_cache = 1`` (the genai builder's default for
-  sliding-window layers): the past/present buffers hold only the last
-  ``local_window_size`` positions (fixed capacity, oldest rows overwritten)
-  while ``seqlens_k``/``total_sequence_length`` and the rotary positions stay
-  absolute, so the attention is the same local-window attention over absolute
-  positions: it converts like ``local_window_size = W`` on a full past (the
-  cache evicts pages beyond the window). The capacity is recorded as the
-  layer's ``past_capacity`` so ``compare`` feeds the original W-sized buffers
-  (verified on ORT 1.32 CPU and against onnxruntime-genai's own generator).
 
 Refused (left as they are, with the reason): quantized caches (``k_scale``,
 ``v_scale``, ``*_quant_type``, ``kv_cache_bit_width``), ``smooth_softmax``,
