@@ -35,7 +35,9 @@ def _stamp(src: Path) -> dict:
         pass
     st = (src / "model.onnx").stat()
     return {"onnx_light_ep": __version__, "source_built": info.get("built"), "source_size": st.st_size,
-            "source_mtime": int(st.st_mtime), "metadata_format": "1"}
+            "source_mtime": int(st.st_mtime), "metadata_format": "1",
+            # 2: genai's GroupQueryAttention converts to one fused CacheAttention (packed QKV + rotary)
+            "conversion_format": "2"}
 
 
 def ensure_converted(src: Path, out: TextIO = sys.stdout) -> Path:
