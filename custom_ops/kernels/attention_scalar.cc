@@ -96,8 +96,7 @@ void attend_range_scalar(const AttentionGroup& a, int64_t key_begin, int64_t key
             if (a.softcap > 0.0f) s *= a.scale;
           } else {
             const float* q = qf + r * D;
-            for (int64_t d = 0; d < D; ++d) s += q[d] * kf[d];
-            s *= a.scale;
+            s = dot_blocked(q, kf, D) * a.scale;
           }
           if (a.softcap > 0.0f) s = a.softcap * std::tanh(s / a.softcap);
           s += bias;
