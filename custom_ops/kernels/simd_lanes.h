@@ -18,10 +18,240 @@ namespace simd {
 // vector: with Q transposed once per call (qt[d][r]), the score of key t for W rows is
 //   s_t = sum_d qt[d][rows] * broadcast(k_t[d])
 // one vector per key, no reduction; max, exp, sum and the rescale factor are lane-wise.
-// P.V then blocks RB rows x NU output vectors in registers per V row load.
-// Measured on Zen 4 (decode, D=128, L=4K, from DRAM): 32 rows 1.3x (fp32) / 1.4x (fp16)
-// faster than the row path, 16 rows 1.15x; in L2 it runs at ~80% of peak FMA throughput.
+// Per tile it is two small GEMMs with register-blocked micro-kernels: scores = K tile x Q^T
+// (lane_scores: 2 row vectors x 8 keys of accumulators at 32 registers, 2 x 4 at 16; the K tile
+// loaded or converted once per tile) and O += P x V tile (lane_pv: 8 consecutive rows x 2 output
+// vectors at 32 registers, 4 x 2 at 16; the probabilities broadcast from their lanes).
+// Measured (tools/bench_lanes_kernel.py, MQA 32/1, head_dim 128, 4K keys, 1 thread, shared
+// Xeon): 1.5-1.7x the compute floor at AVX2, 1.8-1.9x at AVX-512 (was 1.9-2.2x / 2.1-2.2x);
+// both micro-kernels run at ~85-90% of peak from L1 alone, ~65% in place.
 // ---------------------------------------------------------------------------------
+
+// Score micro-kernels: MR row vectors (W query rows each) x NK keys of one tile, all in
+// registers, over head_dim: per element d, MR q loads and NK broadcast K elements feed MR x NK
+// FMAs (each K element serves MR vectors of rows, each q vector NK keys). The K rows of the tile
+// are at kr + u * D (DC > 0: head_dim as a compile-time constant, so that the NK row addresses
+// are one pointer plus constant displacements; 0: D at run time). q . k in partial sums over
+// blocks of kLaneScoreBlock elements (accuracy, attention_internal.h), added up in the score tile:
+// out[m] + u * Rp holds key u's scores of row vector m. One prefetch step per block.
+// lb (int4 blocks, fixed point): the K minimums' part of each score, per row vector, or null.
+// head_dim elements per partial sum of the lanes path: 32 (kScoreBlock's 16 costs AVX-512 ~20% of
+// the score kernel's throughput here; 32 keeps rms ~4.1e-6 against one chain's 7.3e-6 at |score| ~ 35).
+constexpr int64_t kLaneScoreBlock = 32;
+
+template <class V, int MR, int NK, int64_t DC>
+OLEP_HOT void lane_scores(const float* const* qc, int64_t Rp, const float* kr, int64_t Drt, float* const* out,
+                          const float* const* lb, TilePrefetch* pf) {
+  using vf = typename V::vf;
+  const int64_t D = DC > 0 ? DC : Drt;
+  for (int64_t d0 = 0; d0 < D; d0 += kLaneScoreBlock) {
+    vf acc[MR][NK];
+#pragma GCC unroll 4
+    for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 16
+      for (int u = 0; u < NK; ++u) acc[m][u] = V::zero();
+    const int64_t d1 = std::min<int64_t>(D, d0 + kLaneScoreBlock);
+#pragma GCC unroll 4
+    for (int64_t d = d0; d < d1; ++d) {
+      vf qv[MR];
+#pragma GCC unroll 4
+      for (int m = 0; m < MR; ++m) qv[m] = V::load(qc[m] + d * Rp);
+#pragma GCC unroll 16
+      for (int u = 0; u < NK; ++u) {
+        const vf kb = V::set1(kr[u * D + d]);
+#pragma GCC unroll 4
+        for (int m = 0; m < MR; ++m) acc[m][u] = V::fma(qv[m], kb, acc[m][u]);
+      }
+    }
+    pf->step();
+#pragma GCC unroll 4
+    for (int m = 0; m < MR; ++m) {
+      if (d0 == 0 && lb) {
+        const vf b = V::load(lb[m]);
+#pragma GCC unroll 16
+        for (int u = 0; u < NK; ++u) acc[m][u] = V::add(acc[m][u], b);
+      }
+#pragma GCC unroll 16
+      for (int u = 0; u < NK; ++u)
+        V::store(out[m] + u * Rp, d0 == 0 ? acc[m][u] : V::add(V::load(out[m] + u * Rp), acc[m][u]));
+    }
+  }
+}
+
+// The same for raw bfloat16 q and K on levels with VDPBF16PS: qc[m] + i * Rp holds the q pairs
+// (2i, 2i + 1) of row vector m as 32-bit lanes, K pairs are broadcast as one 32-bit value, and the
+// finished scores are multiplied by sc.
+template <class V, int MR, int NK, int64_t DC>
+OLEP_HOT void lane_scores_bf16(const float* const* qc, int64_t Rp, const uint16_t* kr, int64_t Drt,
+                               float* const* out, typename V::vf sc, TilePrefetch* pf) {
+  using vf = typename V::vf;
+  const int64_t D = DC > 0 ? DC : Drt;
+  for (int64_t d0 = 0; d0 < D; d0 += kLaneScoreBlock) {
+    vf acc[MR][NK];
+#pragma GCC unroll 4
+    for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 16
+      for (int u = 0; u < NK; ++u) acc[m][u] = V::zero();
+    const int64_t d1 = std::min<int64_t>(D, d0 + kLaneScoreBlock);
+#pragma GCC unroll 4
+    for (int64_t d = d0; d < d1; d += 2) {
+      vf qv[MR];
+#pragma GCC unroll 4
+      for (int m = 0; m < MR; ++m) qv[m] = V::load(qc[m] + d / 2 * Rp);
+#pragma GCC unroll 16
+      for (int u = 0; u < NK; ++u) {
+        const vf kb = V::set1_pair(kr + u * D + d);
+#pragma GCC unroll 4
+        for (int m = 0; m < MR; ++m) acc[m][u] = V::dot_bf16(acc[m][u], qv[m], kb);
+      }
+    }
+    pf->step();
+    const bool last = d1 == D;
+#pragma GCC unroll 4
+    for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 16
+      for (int u = 0; u < NK; ++u) {
+        vf x = d0 == 0 ? acc[m][u] : V::add(V::load(out[m] + u * Rp), acc[m][u]);
+        if (last) x = V::mul(x, sc);
+        V::store(out[m] + u * Rp, x);
+      }
+  }
+}
+
+// Keys per score micro-kernel call and row vectors per call: 2 row vectors x 8 keys (16
+// accumulators) with 32 vector registers, 2 x 4 with 16; single row vectors take 8 keys.
+template <class V>
+constexpr int lane_score_keys() {
+  return V::W >= 16 ? 8 : 4;
+}
+
+// The scores of the row vectors blk[0..nb) (row block indices, any order) for the n <= TK keys of
+// a tile (padded to TK with zero K rows): pairs of row vectors, then a single one.
+template <class V, int64_t DC>
+OLEP_HOT void lane_tile_scores(const int64_t* blk, int64_t nb, const float* qsrc, const float* lbias, bool add_bias,
+                               int64_t Rp, const float* kp, const uint16_t* kraw, typename V::vf sc, int64_t D,
+                               float* ptile, TilePrefetch* pf) {
+  constexpr int W = V::W, TK = kLaneTileKeys, NK = lane_score_keys<V>(), NK1 = 8;
+  int64_t i = 0;
+  for (; i + 2 <= nb; i += 2) {
+    const float* qc[2] = {qsrc + blk[i] * W, qsrc + blk[i + 1] * W};
+    const float* lb[2] = {lbias + blk[i] * W, lbias + blk[i + 1] * W};
+    for (int k0 = 0; k0 < TK; k0 += NK) {
+      float* out[2] = {ptile + k0 * Rp + blk[i] * W, ptile + k0 * Rp + blk[i + 1] * W};
+      if constexpr (V::kBf16Dot) {
+        if (kraw) {
+          lane_scores_bf16<V, 2, NK, DC>(qc, Rp, kraw + k0 * D, D, out, sc, pf);
+          continue;
+        }
+      }
+      lane_scores<V, 2, NK, DC>(qc, Rp, kp + k0 * D, D, out, add_bias ? lb : nullptr, pf);
+    }
+  }
+  if (i < nb) {
+    const float* qc[1] = {qsrc + blk[i] * W};
+    const float* lb[1] = {lbias + blk[i] * W};
+    for (int k0 = 0; k0 < TK; k0 += NK1) {
+      float* out[1] = {ptile + k0 * Rp + blk[i] * W};
+      if constexpr (V::kBf16Dot) {
+        if (kraw) {
+          lane_scores_bf16<V, 1, NK1, DC>(qc, Rp, kraw + k0 * D, D, out, sc, pf);
+          continue;
+        }
+      }
+      lane_scores<V, 1, NK1, DC>(qc, Rp, kp + k0 * D, D, out, add_bias ? lb : nullptr, pf);
+    }
+  }
+}
+
+// P.V micro-kernel of the lanes path: RB consecutive output rows x NU vectors of v_head_dim in
+// registers, o = o * c[rr] + sum_t p(t, rr) v[t] over the tile's n keys; row rr's accumulators at
+// acc + rr * Dv, its probabilities p(t, rr) = p[t * Rp + rr] (rows in lanes: one pointer, constant
+// offsets), its rescale factor c[rr]. Per key: RB broadcasts and NU V vector loads feed RB x NU
+// FMAs. One prefetch step per 8 keys. kSkipZero: skip the kUnseen pairs (see pv_block, simd_pv.h).
+template <class V, int RB, int NU, bool kSkipZero>
+OLEP_HOT void lane_pv(float* acc, int64_t Dv, const float* p, int64_t Rp, const float* v, int64_t n, const float* c,
+                      TilePrefetch* pf) {
+  using vf = typename V::vf;
+  constexpr int W = V::W;
+  vf o[RB][NU];
+#pragma GCC unroll 8
+  for (int rr = 0; rr < RB; ++rr) {
+    const vf cr = V::set1(c[rr]);
+#pragma GCC unroll 8
+    for (int u = 0; u < NU; ++u) o[rr][u] = V::mul(V::load(acc + rr * Dv + u * W), cr);
+  }
+  for (int64_t t0 = 0; t0 < n; t0 += 8) {
+    pf->step();
+    const int64_t t1 = std::min<int64_t>(n, t0 + 8);
+    for (int64_t t = t0; t < t1; ++t) {
+      vf vv[NU];
+#pragma GCC unroll 8
+      for (int u = 0; u < NU; ++u) vv[u] = V::load(v + t * Dv + u * W);
+#pragma GCC unroll 8
+      for (int rr = 0; rr < RB; ++rr) {
+        const float pt = p[t * Rp + rr];
+        if (kSkipZero && pt == 0.0f && std::signbit(pt)) continue;  // kUnseen
+        const vf pb = V::set1(pt);
+#pragma GCC unroll 8
+        for (int u = 0; u < NU; ++u) o[rr][u] = V::fma(pb, vv[u], o[rr][u]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int rr = 0; rr < RB; ++rr)
+#pragma GCC unroll 8
+    for (int u = 0; u < NU; ++u) V::store(acc + rr * Dv + u * W, o[rr][u]);
+}
+
+// Rows of a P.V register block and vectors per lane_pv call: 8 x 2 at 32 vector registers, 4 x 2
+// at 16 (measured from L1 on this Xeon: AVX-512 8 x 2 95 GFMA/s, 4 x 4 82; AVX2 4 x 2 52, 2 x 4 44).
+template <class V>
+constexpr int lane_pv_block_rows() {
+  return V::W >= 16 ? 8 : 4;
+}
+constexpr int kLanePvVectors = 2;
+
+// Rows [r0, r0 + RB) over all of v_head_dim (a multiple of W).
+template <class V, int RB, bool kSkipZero>
+OLEP_HOT void lane_pv_rows(float* st_acc, int64_t r0, int64_t Dv, const float* v, const float* ptile, int64_t Rp,
+                           int64_t n, const float* corr, TilePrefetch* pf) {
+  constexpr int W = V::W, NU = kLanePvVectors;
+  float* acc = st_acc + r0 * Dv;
+  int64_t d = 0;
+  for (; d + NU * W <= Dv; d += NU * W)
+    lane_pv<V, RB, NU, kSkipZero>(acc + d, Dv, ptile + r0, Rp, v + d, n, corr + r0, pf);
+  for (; d + W <= Dv; d += W) lane_pv<V, RB, 1, kSkipZero>(acc + d, Dv, ptile + r0, Rp, v + d, n, corr + r0, pf);
+}
+
+// Rows [r0, r0 + nr) (nr <= lane_pv_block_rows) through lane_pv_rows: the largest block, then 4, 2, 1.
+template <class V, bool kSkipZero>
+OLEP_HOT void lane_pv_flush(float* st_acc, int64_t r0, int nr, int64_t Dv, const float* v, const float* ptile,
+                            int64_t Rp, int64_t n, const float* corr, TilePrefetch* pf) {
+  constexpr int RB = lane_pv_block_rows<V>();
+  if (nr == RB) {
+    lane_pv_rows<V, RB, kSkipZero>(st_acc, r0, Dv, v, ptile, Rp, n, corr, pf);
+    return;
+  }
+  if constexpr (RB > 4) {
+    if (nr >= 4) {
+      lane_pv_rows<V, 4, kSkipZero>(st_acc, r0, Dv, v, ptile, Rp, n, corr, pf);
+      r0 += 4;
+      nr -= 4;
+    }
+  }
+  if (nr >= 2) {
+    lane_pv_rows<V, 2, kSkipZero>(st_acc, r0, Dv, v, ptile, Rp, n, corr, pf);
+    r0 += 2;
+    nr -= 2;
+  }
+  if (nr == 1) lane_pv_rows<V, 1, kSkipZero>(st_acc, r0, Dv, v, ptile, Rp, n, corr, pf);
+}
+
+// lane_pv calls of lane_pv_rows for Dv.
+template <int W>
+constexpr int64_t lane_pv_passes(int64_t Dv) {
+  return Dv / (kLanePvVectors * W) + (Dv % (kLanePvVectors * W)) / W;
+}
 
 // Scratch: scratch_floats() in attention_common.cc covers the layout below.
 template <class V>
@@ -30,9 +260,7 @@ void attend_lanes(const AttentionGroup& a, int64_t key_begin, int64_t key_end, A
   using vf = typename V::vf;
   constexpr int W = V::W;
   constexpr int TK = kLaneTileKeys;     // keys per tile
-  constexpr int KB = 8;                 // keys per block of score registers
-  constexpr int RB = W >= 16 ? 4 : 2;   // output rows per P.V register block (32 vs 16 registers)
-  constexpr int64_t kDotBlock = kScoreBlock;
+  constexpr int RB = lane_pv_block_rows<V>();  // output rows per P.V register block
   const int64_t G = a.group_size, S = a.num_rows, D = a.head_dim, Dv = a.v_head_dim;
   const int64_t valid = std::min(a.num_valid_rows, S);
   const int64_t R = G * S, Rp = (R + W - 1) / W * W;
@@ -45,6 +273,7 @@ void attend_lanes(const AttentionGroup& a, int64_t key_begin, int64_t key_end, A
   float* corr = lloc + Rp;         // [Rp] this tile's rescale factor
   float* qt8 = corr + Rp;          // [D, Rp] int8 blocks, fixed: sq * q16 per row (int8_query)
   float* lbias = qt8 + D * Rp;     // [Rp] int4 blocks, fixed: the K minimums' part of each score
+                                   // then [Rp / W] int64 indices of live row blocks (live_blocks)
 
   const bool capped = a.softcap > 0.0f;
   const float qscale = capped ? 1.0f : a.scale;
@@ -84,24 +313,37 @@ void attend_lanes(const AttentionGroup& a, int64_t key_begin, int64_t key_end, A
   if (kmin >= kmax) return;
 
   // Lanes of each row block that hold a real, valid row.
-  auto block_rows = [&](int64_t b) {
+  const int64_t nblocks = Rp / W;
+  int64_t* live_blocks = reinterpret_cast<int64_t*>(lbias + Rp);  // [Rp / W] row blocks with a visible key
+  unsigned* block_bits = reinterpret_cast<unsigned*>(live_blocks + nblocks);  // [Rp / W]
+  for (int64_t b = 0; b < nblocks; ++b) {
     unsigned bits = 0;
     for (int lane = 0; lane < W; ++lane) {
       const int64_t r = b * W + lane;
       if (r < R && r % S < valid) bits |= 1u << lane;
     }
-    return bits;
-  };
-  const int64_t nblocks = Rp / W;
+    block_bits[b] = bits;
+  }
+  auto block_rows = [&](int64_t b) { return block_bits[b]; };
   const size_t es = stored_elem_bytes(a.dtype, enc);
   const vf neg_inf = V::set1(-INFINITY);
   TilePrefetch pf;
-  // pf.step() calls per tile: every other score-loop iteration, then one per key per P.V call
-  const int64_t lane_steps = nblocks * (TK / KB) * (D / 2) + (G * valid / RB) * pv_passes<W, RB>(Dv) * TK +
-                             (G * valid % RB) * pv_passes<W, 1>(Dv) * TK;
+  // pf.step() calls per tile (all row blocks live): one per head_dim block per score micro-kernel
+  // call, then one per 8 keys per P.V call
+  constexpr int NKS = lane_score_keys<V>();
+  const int64_t dblocks = (D + kLaneScoreBlock - 1) / kLaneScoreBlock;
+  // lane_pv_flush calls lane_pv_rows once per RB rows of a run, then once per 4, 2, 1 of the rest;
+  // runs are all R rows when every row is valid, else `valid` rows per head.
+  auto flush_calls = [](int64_t rows) {
+    const int64_t rest = rows % RB;
+    return rows / RB + (RB > 4 && rest >= 4) + (rest % 4 >= 2) + (rest % 2);
+  };
+  const int64_t pv_calls = valid == S ? flush_calls(R) : G * flush_calls(valid);
+  const int64_t lane_steps = ((nblocks / 2) * (TK / NKS) + (nblocks % 2) * (TK / 8)) * dblocks +
+                             pv_calls * lane_pv_passes<W>(Dv) * (TK / 8);
 
   int64_t scaled_blk = -1;  // fixed: the block whose K scales qt8 holds
-  const float* qsrc = fixed ? qt8 : qt;
+  const float* qsrc = fixed ? qt8 : qt;  // dot: qt holds the raw bf16 pairs
   for (TileCursor tc{a, kmin, kmax, TK, es}; tc.next();) {
     const int64_t j0 = tc.j0, n = tc.n;
     if (fixed && tc.blk != scaled_blk) {
@@ -145,9 +387,75 @@ void attend_lanes(const AttentionGroup& a, int64_t key_begin, int64_t key_end, A
       vp = vtile;
     }
 
+    // Scores of the row blocks that see any key of the tile, pairs of row vectors per
+    // micro-kernel call (lane_tile_scores).
+    int64_t nlive = 0;
+    for (int64_t b = 0; b < nblocks; ++b) {
+      const unsigned rows_bits = block_rows(b);
+      bool any = false;
+      if (uniform) {
+        any = rows_bits != 0 && std::max(j0, ulo) < std::min(j0 + n, uhi);
+      } else {
+        for (int lane = 0; lane < W && !any; ++lane) {
+          if (!(rows_bits >> lane & 1u)) continue;
+          int64_t lo, hi;
+          detail::visible_range(a, (b * W + lane) % S, &lo, &hi);
+          any = std::max(j0, lo) < std::min(j0 + n, hi);
+        }
+      }
+      if (any) live_blocks[nlive++] = b;
+    }
+    {
+      const bool add_bias = fixed && enc == KVEncoding::kInt4;
+      const vf sc = V::set1(capped ? 1.0f : a.scale);  // dot: capped scores are scaled in the softcap below
+      const uint16_t* kr2 = dot ? kraw : nullptr;
+      if (D == 128)
+        lane_tile_scores<V, 128>(live_blocks, nlive, qsrc, lbias, add_bias, Rp, kp, kr2, sc, D, ptile, &pf);
+      else if (D == 64)
+        lane_tile_scores<V, 64>(live_blocks, nlive, qsrc, lbias, add_bias, Rp, kp, kr2, sc, D, ptile, &pf);
+      else
+        lane_tile_scores<V, 0>(live_blocks, nlive, qsrc, lbias, add_bias, Rp, kp, kr2, sc, D, ptile, &pf);
+    }
+
     bool all_seen = true;  // every valid row sees every key of the tile
+    // Every valid row sees every key of the tile (no causal edge, window or range end inside it).
+    const bool full = uniform && j0 >= ulo && j0 + n <= uhi;
     for (int64_t b = 0; b < nblocks; ++b) {
       const int64_t rb = b * W;
+      bool capped_done = false;
+      if (full && block_bits[b] != 0) {
+        // Fast path: scores finite in every lane (else the general path below sorts out NaN,
+        // +inf and -inf): tile max, rescale factor, probabilities and their sum in two passes.
+        const vf sa = V::set1(a.scale), inv_cap = V::set1(capped ? 1.0f / a.softcap : 0.0f);
+        const vf cap = V::set1(a.softcap);
+        vf mt = neg_inf;
+        unsigned bad = 0;
+        for (int t = 0; t < n; ++t) {
+          vf x = V::load(ptile + t * Rp + rb);
+          if (capped) {
+            x = V::mul(cap, tanh_v<V>(V::mul(V::mul(x, sa), inv_cap)));
+            V::store(ptile + t * Rp + rb, x);
+          }
+          bad |= ~V::le_bits(V::abs(x), FLT_MAX);  // NaN, +-inf
+          mt = V::max(mt, x);
+        }
+        if (!(bad & block_bits[b])) {
+          const vf mo = V::load(mloc + rb);
+          const vf mn = V::max(mo, mt);  // finite in the rows' lanes
+          const vf c = V::exp(V::sub(mo, mn));
+          vf lsum = V::zero();
+          for (int t = 0; t < n; ++t) {
+            const vf pt = V::exp(V::sub(V::load(ptile + t * Rp + rb), mn));
+            lsum = V::add(lsum, pt);
+            V::store(ptile + t * Rp + rb, pt);
+          }
+          V::store(lloc + rb, V::fma(V::load(lloc + rb), c, lsum));
+          V::store(mloc + rb, mn);
+          V::store(corr + rb, c);
+          continue;
+        }
+        capped_done = capped;  // the general path below must not cap again
+      }
       // live[t]: lanes for which key j0 + t is visible.
       unsigned live[TK];
       const unsigned rows_bits = block_rows(b);
@@ -173,67 +481,12 @@ void attend_lanes(const AttentionGroup& a, int64_t key_begin, int64_t key_end, A
         continue;
       }
 
-      // Scores: KB keys at a time, one broadcast K element (dot: element pair) per FMA.
-      if constexpr (kDotLevel) {
-        if (dot) {
-          const vf sc = V::set1(capped ? 1.0f : a.scale);  // capped: scaled in the softcap below
-          for (int k0 = 0; k0 < TK; k0 += KB) {
-            vf tot[KB];
-            const uint16_t* kr = kraw + k0 * D;
-            const float* qc = reinterpret_cast<const float*>(qt2 + rb);
-            for (int64_t d0 = 0; d0 < D; d0 += kDotBlock) {  // partial sums per block (accuracy)
-              vf acc[KB];
-#pragma GCC unroll 8
-              for (int u = 0; u < KB; ++u) acc[u] = V::zero();
-              const int64_t d1 = std::min<int64_t>(D, d0 + kDotBlock);
-              for (int64_t d = d0; d < d1; d += 2) {
-                pf.step();  // the float loop below steps every other d: same count
-                const vf qv = V::load(qc + d / 2 * Rp);
-#pragma GCC unroll 8
-                for (int u = 0; u < KB; ++u) acc[u] = V::dot_bf16(acc[u], qv, V::set1_pair(kr + u * D + d));
-              }
-#pragma GCC unroll 8
-              for (int u = 0; u < KB; ++u) tot[u] = d0 == 0 ? acc[u] : V::add(tot[u], acc[u]);
-            }
-#pragma GCC unroll 8
-            for (int u = 0; u < KB; ++u) V::store(ptile + (k0 + u) * Rp + rb, V::mul(tot[u], sc));
-          }
-        }
-      }
-      for (int k0 = 0; k0 < TK && !dot; k0 += KB) {
-        const float* kr = kp + k0 * D;
-        const float* qc = qsrc + rb;
-        float* out = ptile + k0 * Rp + rb;
-        // Partial sums over blocks of kDotBlock elements, added up in ptile: one chain over the
-        // whole head_dim loses ~2x the accuracy (see kDotBlock).
-        for (int64_t d0 = 0; d0 < D; d0 += kDotBlock) {
-          vf acc[KB];
-#pragma GCC unroll 8
-          for (int u = 0; u < KB; ++u) acc[u] = V::zero();
-          const int64_t d1 = std::min<int64_t>(D, d0 + kDotBlock);
-          for (int64_t d = d0; d < d1; ++d) {
-            if ((d & 1) == 0) pf.step();
-            const vf qv = V::load(qc + d * Rp);
-#pragma GCC unroll 8
-            for (int u = 0; u < KB; ++u) acc[u] = V::fma(qv, V::set1(kr[u * D + d]), acc[u]);
-          }
-          if (d0 == 0 && fixed && enc == KVEncoding::kInt4) {
-            const vf lb = V::load(lbias + rb);
-#pragma GCC unroll 8
-            for (int u = 0; u < KB; ++u) acc[u] = V::add(acc[u], lb);
-          }
-#pragma GCC unroll 8
-          for (int u = 0; u < KB; ++u)
-            V::store(out + u * Rp, d0 == 0 ? acc[u] : V::add(V::load(out + u * Rp), acc[u]));
-        }
-      }
-
       // Online softmax, lane-wise.
       unsigned nan_lanes = 0;
       vf mt = neg_inf;
       for (int t = 0; t < n; ++t) {
         vf x = V::load(ptile + t * Rp + rb);
-        if (capped) {
+        if (capped && !capped_done) {
           const vf y = V::mul(x, V::set1(a.scale));
           x = V::mul(V::set1(a.softcap), tanh_v<V>(V::mul(y, V::set1(1.0f / a.softcap))));
           V::store(ptile + t * Rp + rb, x);
@@ -264,22 +517,37 @@ void attend_lanes(const AttentionGroup& a, int64_t key_begin, int64_t key_end, A
       V::store(corr + rb, c);
     }
 
-    // P.V: RB rows at a time, each V row loaded once per block of rows.
-    int64_t rows[RB];
+    // P.V: runs of up to RB consecutive rows (h * S + i) at a time, each V vector loaded once per
+    // run. Rows that see no key of the tile (prefill rows before it, outside their window) keep
+    // their accumulators.
+    auto flush = [&](int64_t r0, int nr) {
+      if (nr == 0) return;
+      if (all_seen) lane_pv_flush<V, false>(st->acc, r0, nr, Dv, vp, ptile, Rp, n, corr, &pf);
+      else lane_pv_flush<V, true>(st->acc, r0, nr, Dv, vp, ptile, Rp, n, corr, &pf);
+    };
+    int64_t r0 = 0;
     int nr = 0;
-    for (int64_t h = 0; h < G; ++h)
-      for (int64_t i = 0; i < valid; ++i) {
-        rows[nr++] = h * S + i;
-        if (nr == RB) {
-          if (all_seen) pv_rows<V, LoadF32<V>, RB, false>(st->acc, rows, Dv, vp, ptile, Rp, 1, n, corr, &pf);
-          else pv_rows<V, LoadF32<V>, RB, true>(st->acc, rows, Dv, vp, ptile, Rp, 1, n, corr, &pf);
-          nr = 0;
-        }
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t i = r % S;
+      bool sees = i < valid;
+      if (sees && !uniform) {
+        int64_t lo, hi;
+        detail::visible_range(a, i, &lo, &hi);
+        sees = std::max(j0, lo) < std::min(j0 + n, hi);
       }
-    for (int k = 0; k < nr; ++k) {
-      if (all_seen) pv_rows<V, LoadF32<V>, 1, false>(st->acc, rows + k, Dv, vp, ptile, Rp, 1, n, corr, &pf);
-      else pv_rows<V, LoadF32<V>, 1, true>(st->acc, rows + k, Dv, vp, ptile, Rp, 1, n, corr, &pf);
+      if (!sees) {
+        flush(r0, nr);
+        r0 = r + 1;
+        nr = 0;
+        continue;
+      }
+      if (++nr == RB) {
+        flush(r0, nr);
+        r0 += nr;
+        nr = 0;
+      }
     }
+    flush(r0, nr);
   }
   for (int64_t h = 0; h < G; ++h)
     for (int64_t i = 0; i < valid; ++i) {
