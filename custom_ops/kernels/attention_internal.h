@@ -14,9 +14,10 @@ namespace kernels {
 namespace detail {
 
 /// q . k is summed in partial sums over blocks of kScoreBlock elements of head_dim, then the
-/// blocks added in order, at every level: a single float32 chain over all of head_dim (128) has
-/// ~2x the rounding error of blocked or pairwise sums (rms 7.3e-6 against 3.5e-6 at |score| ~ 35),
-/// enough to exceed the fp32 tolerance at large scores (tests/differential/test_large_scores.py).
+/// blocks added in order (the scalar level and the SIMD lanes path, simd_lanes.h): a single
+/// float32 chain over all of head_dim (128) has ~2x the rounding error of blocked or pairwise
+/// sums (rms 7.3e-6 against 3.5e-6 at |score| ~ 35), enough to exceed the fp32 tolerance at
+/// large scores (tests/differential/test_large_scores.py).
 /// (The SIMD row path's W lane accumulators are such blocks already.)
 constexpr int64_t kScoreBlock = 16;
 

@@ -203,8 +203,6 @@ struct Bf16Dot {
   static vf finish(vf a) { return a; }
 };
 
-// q . k in partial sums over blocks of head_dim (attention_internal.h, kScoreBlock).
-using detail::kScoreBlock;
 
 // Probabilities of keys a row cannot see are stored as -0.0f (kUnseen); a visible key's
 // probability is >= +0.0f (exp may underflow to +0).

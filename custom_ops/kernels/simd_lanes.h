@@ -23,8 +23,8 @@ namespace simd {
 // loaded or converted once per tile) and O += P x V tile (lane_pv: 8 consecutive rows x 2 output
 // vectors at 32 registers, 4 x 2 at 16; the probabilities broadcast from their lanes).
 // Measured (tools/bench_lanes_kernel.py, MQA 32/1, head_dim 128, 4K keys, 1 thread, shared
-// Xeon): 1.5-1.7x the compute floor at AVX2, 1.8-1.9x at AVX-512 (was 1.9-2.2x / 2.1-2.2x);
-// both micro-kernels run at ~85-90% of peak from L1 alone, ~65% in place.
+// Xeon, K/V in caches or from memory): 1.5-1.7x the compute floor at AVX2, 1.9-2.2x at AVX-512
+// (was 1.9-2.2x / 2.1-2.4x); the micro-kernels run at 70-90% of peak from L1 alone, ~65% in place.
 // ---------------------------------------------------------------------------------
 
 // Score micro-kernels: MR row vectors (W query rows each) x NK keys of one tile, all in
@@ -35,9 +35,10 @@ namespace simd {
 // blocks of kLaneScoreBlock elements (accuracy, attention_internal.h), added up in the score tile:
 // out[m] + u * Rp holds key u's scores of row vector m. One prefetch step per block.
 // lb (int4 blocks, fixed point): the K minimums' part of each score, per row vector, or null.
-// head_dim elements per partial sum of the lanes path: 32 (kScoreBlock's 16 costs AVX-512 ~20% of
-// the score kernel's throughput here; 32 keeps rms ~4.1e-6 against one chain's 7.3e-6 at |score| ~ 35).
-constexpr int64_t kLaneScoreBlock = 32;
+// head_dim elements per partial sum of the lanes path: detail::kScoreBlock (16), as the scalar
+// level. (32 runs the AVX-512 score kernel ~20% faster from L1 here, but SmolLM2's prefill logits
+// then differ from plain ORT's by 1.5e-4, past the fp32 compare tolerance; 16: 7e-5.)
+constexpr int64_t kLaneScoreBlock = detail::kScoreBlock;
 
 template <class V, int MR, int NK, int64_t DC>
 OLEP_HOT void lane_scores(const float* const* qc, int64_t Rp, const float* kr, int64_t Drt, float* const* out,
