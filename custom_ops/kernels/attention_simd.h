@@ -23,7 +23,8 @@
 // float16/bfloat16 rows are converted on load (row path, few rows) or once per tile.
 //
 // The pieces: simd_common.h (loaders, dot policies), simd_tiles.h (tile cursor, prefetch),
-// simd_pv.h (P.V), simd_rows.h (row path), simd_lanes.h (lanes path); this header picks the
+// simd_pv.h (P.V), simd_rows.h (row path; its score loops in simd_row_scores.h, its int8 /
+// int4 code pieces in simd_row_codes.h), simd_lanes.h (lanes path); this header picks the
 // path per call.
 #pragma once
 

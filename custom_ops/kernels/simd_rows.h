@@ -2,104 +2,12 @@
 // online softmax row by row, P.V with the rescale fused (internal). See attention_simd.h.
 #pragma once
 
-#include "kernels/simd_pv.h"
-#include "kernels/simd_quant4.h"
+#include "kernels/simd_row_codes.h"
+#include "kernels/simd_row_scores.h"
 
 namespace olep {
 namespace kernels {
 namespace simd {
-
-// Raw scores of RB query rows against the W keys of a tile (rows of kp, stride D; rows past
-// the valid ones are zero padding): ptile[row * W + t] = q_row . k_t. Register block of RB
-// rows x KB = W / RB keys: each K load serves RB rows and each q load KB keys; one
-// transpose-reduce per W scores.
-template <class V, class Dot, int RB>
-OLEP_COLD_REGS void scores_rows(const typename Dot::qelem* qf, int64_t D, const typename Dot::kelem* kp,
-                                const int64_t* rows, float* ptile, TilePrefetch* pf) {
-  using vf = typename V::vf;
-  constexpr int W = V::W, KB = W / RB, E = Dot::kStep;
-  alignas(64) float x[RB][W];  // x[g] lane rr * KB + tt: row rr, key g * KB + tt
-  for (int g = 0; g < RB; ++g) {
-    vf acc[W];
-#pragma GCC unroll 16
-    for (int e = 0; e < W; ++e) acc[e] = V::zero();
-    const typename Dot::kelem* kg = kp + g * KB * D;
-    for (int64_t d = 0; d < D; d += E) {
-      pf->step();
-      vf kv[KB];
-#pragma GCC unroll 16
-      for (int tt = 0; tt < KB; ++tt) kv[tt] = Dot::load_k(kg + tt * D + d);
-#pragma GCC unroll 4
-      for (int rr = 0; rr < RB; ++rr) {
-        const vf qv = Dot::load_q(qf + rows[rr] * D + d);
-#pragma GCC unroll 16
-        for (int tt = 0; tt < KB; ++tt) acc[rr * KB + tt] = Dot::madd(acc[rr * KB + tt], qv, kv[tt]);
-      }
-    }
-#pragma GCC unroll 16
-    for (int e = 0; e < W; ++e) acc[e] = Dot::finish(acc[e]);
-    V::store(x[g], V::transpose_reduce(acc));
-  }
-  for (int rr = 0; rr < RB; ++rr)
-    for (int g = 0; g < RB; ++g) std::memcpy(ptile + rows[rr] * W + g * KB, &x[g][rr * KB], KB * sizeof(float));
-}
-
-// One row against the tile, walking K row by row (sequential addresses). kD > 0: head_dim is kD
-// (fully unrolled inner loop; scores_row_walk dispatches the common sizes).
-template <class V, class Dot, int64_t kD = 0>
-OLEP_COLD_REGS void scores_row_walk_d(const typename Dot::qelem* q, int64_t Drt, const typename Dot::kelem* kp,
-                                      float* out, TilePrefetch* pf) {
-  const int64_t D = kD > 0 ? kD : Drt;
-  using vf = typename V::vf;
-  constexpr int W = V::W, E = Dot::kStep;
-  vf acc[W];
-#pragma GCC unroll 16
-  for (int t = 0; t < W; ++t) {
-    pf->step();
-    const typename Dot::kelem* kr = kp + t * D;
-    vf a0 = Dot::mul(Dot::load_q(q), Dot::load_k(kr));
-    vf a1 = V::zero();
-    int64_t d = E;
-#pragma GCC unroll 8
-    for (; d + E < D; d += 2 * E) {
-      a1 = Dot::madd(a1, Dot::load_q(q + d), Dot::load_k(kr + d));
-      a0 = Dot::madd(a0, Dot::load_q(q + d + E), Dot::load_k(kr + d + E));
-    }
-    if (d < D) a1 = Dot::madd(a1, Dot::load_q(q + d), Dot::load_k(kr + d));
-    acc[t] = Dot::finish(Dot::add(a0, a1));
-  }
-  V::store(out, V::transpose_reduce(acc));
-}
-template <class V, class Dot>
-OLEP_HOT void scores_row_walk(const typename Dot::qelem* q, int64_t D, const typename Dot::kelem* kp, float* out,
-                              TilePrefetch* pf) {
-  if (D == 128) scores_row_walk_d<V, Dot, 128>(q, D, kp, out, pf);
-  else if (D == 64) scores_row_walk_d<V, Dot, 64>(q, D, kp, out, pf);
-  else if (D == 256) scores_row_walk_d<V, Dot, 256>(q, D, kp, out, pf);
-  else scores_row_walk_d<V, Dot, 0>(q, D, kp, out, pf);
-}
-
-// A row's P.V weights of one tile (ptile: W lanes, >= 0 or -0 for unseen keys, lanes past the
-// tile's keys unseen) in 16-bit fixed point, laid out as the V row pairs: w[par + t] = weight of
-// key t (w[0] = 0 when the tile starts at an odd page row, par = 1), 2 W + 2 entries; the largest
-// maps to 32767, and weight = w * ws * wpre (a max below 2^-100 is first scaled by 2^100 exactly,
-// p * pre before * 32767 / m, which would overflow float32 there; wpre = 1 / pre applied last).
-template <class V>
-OLEP_HOT void round_weights(const float* ptile, int64_t par, int16_t* w, float* ws, float* wpre) {
-  constexpr int W = V::W;
-  w[0] = w[W] = w[W + 1] = 0;
-  const typename V::vf p = V::load(ptile);
-  float m = V::reduce_max(p);
-  const float pre = m < 0x1p-100f ? 0x1p100f : 1.0f;
-  m *= pre;
-  V::round_i16(w + par, V::mul(V::mul(p, V::set1(pre)), V::set1(m > 0.0f ? 32767.0f / m : 0.0f)));
-  *ws = m / 32767.0f;
-  *wpre = 1.0f / pre;
-}
-
-// Most rows (group_size x valid query rows) the int8 fixed-point row path takes (its per-tile
-// weight buffers are sized for them; attend_run sends more rows to the tiled path).
-constexpr int kCodesMaxRows = 15;
 
 // L: how K/V storage is read; kTiles: convert each K/V tile to float once (shared by
 // every query row of the group) instead of converting on every load. enc: the encoding of
@@ -221,54 +129,17 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
       pf.reset(nullptr, 0, nullptr, 0, 1);
       if (row_count >= 2) pf.reset_next(kc, D * es, Dv * es, tile_steps);
       if constexpr (kCodes4) {
-        if (kc.blk != scaled_blk) {
-          const KVBlock& kb = a.blocks[kc.blk];
-          int16_t* t = reinterpret_cast<int16_t*>(ktile);  // free until the tile's K copy
-          for (int64_t h = 0; h < G; ++h)
-            for (int64_t i = 0; i < valid; ++i) {
-              const int64_t r = h * S + i;
-              qsc[r] = detail::int8_query(qf + r * D, kb.key_scale, D, t);
-              int4_permute_q<W>(t, D, q16 + r * D);
-              qbias[r] = detail::int4_bias(qf + r * D, kb.key_min, D);
-            }
+        if (kc.blk != scaled_blk) {  // (ktile is free until the tile's K copy)
+          codes_query_i4<V>(a, a.blocks[kc.blk], qf, q16, qsc, qbias, reinterpret_cast<int16_t*>(ktile));
           scaled_blk = kc.blk;
         }
       } else if constexpr (kCodes) {
         if (kc.blk != scaled_blk) {
-          const float* ks = a.blocks[kc.blk].key_scale;
-          // int32 sums of D products of |q16| <= qmax and |code| <= 127 stay below 2^31
-          const float qmax = detail::int8_query_max(D);  // the operations of detail::int8_query
-          for (int64_t h = 0; h < G; ++h)
-            for (int64_t i = 0; i < valid; ++i) {
-              const int64_t r = h * S + i;
-              float* t = ktile;  // q * scale of this row (ktile is free until the tile's K copy)
-              vf mx = V::zero();
-              for (int64_t d = 0; d < D; d += W) {
-                const vf x = V::mul(V::load(qf + r * D + d), V::load(ks + d));
-                V::store(t + d, x);
-                mx = V::max(mx, V::abs(x));
-              }
-              float m = V::reduce_max(mx);
-              // (a tiny max is first scaled up by 2^100, exactly, so qmax / m stays finite)
-              const float pre = m < 0x1p-100f ? 0x1p100f : 1.0f;
-              m *= pre;
-              const float inv = m > 0.0f ? qmax / m : 0.0f;
-              for (int64_t d = 0; d < D; d += W)
-                V::round_i16(q16 + r * D + d, V::mul(V::mul(V::load(t + d), V::set1(pre)), V::set1(inv)));
-              qsc[r] = m / qmax / pre;
-            }
+          codes_query_i8<V>(a, a.blocks[kc.blk].key_scale, qf, q16, qsc, ktile);
           scaled_blk = kc.blk;
         }
       } else if (kTiles && fixed && kc.blk != scaled_blk) {  // the same fixed-point q, as float
-        const float* ks = a.blocks[kc.blk].key_scale;
-        int16_t* t = reinterpret_cast<int16_t*>(ktile);  // free until the tile's conversion below
-        for (int64_t h = 0; h < G; ++h)
-          for (int64_t i = 0; i < valid; ++i) {
-            const int64_t r = h * S + i;
-            const float sq = detail::int8_query(qf + r * D, ks, D, t);
-            for (int64_t d = 0; d < D; ++d) qs[r * D + d] = sq * static_cast<float>(t[d]);
-            qbias[r] = int4 ? detail::int4_bias(qf + r * D, a.blocks[kc.blk].key_min, D) : 0.0f;
-          }
+        fixed_query_float(a, a.blocks[kc.blk], int4, qf, qs, qbias, reinterpret_cast<int16_t*>(ktile));
         scaled_blk = kc.blk;
         qk = qs;
       }
@@ -477,40 +348,7 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
 
       // ---- weighted V accumulation, rescale fused; RB rows per V load ----
       if constexpr (kCodes) {
-        // Each row's weights p * value_scale in 16-bit fixed point, laid out as the V row pairs
-        // (a tile starting at an odd page row begins with a zero weight for the row before).
-        const int64_t par = vc.vpar, npairs = (par + n + 1) / 2;
-        constexpr int64_t kStride = 2 * W + 2;
-        float wscale[kCodesMaxRows], wpre[kCodesMaxRows], cs[kCodesMaxRows], vb[kCodesMaxRows];
-        float* accp[kCodesMaxRows];
-        const int16_t* wp[kCodesMaxRows];
-        int nrows = 0;  // rows in (query row, head) order, as the score loops take them
-        for (int64_t i = 0; i < valid; ++i)
-          for (int64_t h = 0; h < G; ++h, ++nrows) {
-            const int64_t r = h * S + i;
-            int16_t* w = pw + nrows * kStride;
-            round_weights<V>(ptile + r * W, par, w, wscale + nrows, wpre + nrows);
-            cs[nrows] = corr[r];
-            vb[nrows] = kCodes4 ? vbias[r] : 0.0f;
-            accp[nrows] = st->acc + r * Dv;
-            wp[nrows] = w;
-          }
-        int k = 0;
-        if constexpr (kCodes4) {
-          const uint8_t* pairs4 = reinterpret_cast<const uint8_t*>(vc.vrows);
-          for (; k + 2 <= nrows; k += 2)
-            pv_rows_i4<V, 2>(accp + k, wp + k, wscale + k, wpre + k, cs + k, vb + k, pairs4, Dv, npairs, &pf);
-          if (k < nrows) pv_rows_i4<V, 1>(accp + k, wp + k, wscale + k, wpre + k, cs + k, vb + k, pairs4, Dv, npairs, &pf);
-          k = nrows;
-        }
-        const int8_t* pairs = reinterpret_cast<const int8_t*>(vc.vrows);
-        // 4 rows per V load where the registers allow (16 sums + 4 V vectors), else 2, then 1
-        if constexpr (W >= 16)
-          for (; k + 4 <= nrows; k += 4)
-            pv_rows_i16<V, 4>(accp + k, wp + k, wscale + k, wpre + k, cs + k, pairs, Dv, npairs, &pf);
-        for (; k + 2 <= nrows; k += 2)
-          pv_rows_i16<V, 2>(accp + k, wp + k, wscale + k, wpre + k, cs + k, pairs, Dv, npairs, &pf);
-        if (k < nrows) pv_rows_i16<V, 1>(accp + k, wp + k, wscale + k, wpre + k, cs + k, pairs, Dv, npairs, &pf);
+        pv_codes_tile<V, kCodes4>(a, ptile, corr, vbias, pw, st->acc, vc.vrows, vc.vpar, n, &pf);
       } else {
         // 16-bit K/V: 4 rows per V load, so each V vector is converted once per 4 rows
         // (measured 5% faster for GQA 32/8 fp16); float32: 2 rows with whole-row chunks.

@@ -1,0 +1,84 @@
+// The row path's q . k score loops (internal; simd_rows.h): register-blocked rows x keys, and
+// one row walking K row by row. See attention_simd.h.
+#pragma once
+
+#include "kernels/simd_tiles.h"
+#include "kernels/simd_common.h"
+
+namespace olep {
+namespace kernels {
+namespace simd {
+
+// Raw scores of RB query rows against the W keys of a tile (rows of kp, stride D; rows past
+// the valid ones are zero padding): ptile[row * W + t] = q_row . k_t. Register block of RB
+// rows x KB = W / RB keys: each K load serves RB rows and each q load KB keys; one
+// transpose-reduce per W scores.
+template <class V, class Dot, int RB>
+OLEP_COLD_REGS void scores_rows(const typename Dot::qelem* qf, int64_t D, const typename Dot::kelem* kp,
+                                const int64_t* rows, float* ptile, TilePrefetch* pf) {
+  using vf = typename V::vf;
+  constexpr int W = V::W, KB = W / RB, E = Dot::kStep;
+  alignas(64) float x[RB][W];  // x[g] lane rr * KB + tt: row rr, key g * KB + tt
+  for (int g = 0; g < RB; ++g) {
+    vf acc[W];
+#pragma GCC unroll 16
+    for (int e = 0; e < W; ++e) acc[e] = V::zero();
+    const typename Dot::kelem* kg = kp + g * KB * D;
+    for (int64_t d = 0; d < D; d += E) {
+      pf->step();
+      vf kv[KB];
+#pragma GCC unroll 16
+      for (int tt = 0; tt < KB; ++tt) kv[tt] = Dot::load_k(kg + tt * D + d);
+#pragma GCC unroll 4
+      for (int rr = 0; rr < RB; ++rr) {
+        const vf qv = Dot::load_q(qf + rows[rr] * D + d);
+#pragma GCC unroll 16
+        for (int tt = 0; tt < KB; ++tt) acc[rr * KB + tt] = Dot::madd(acc[rr * KB + tt], qv, kv[tt]);
+      }
+    }
+#pragma GCC unroll 16
+    for (int e = 0; e < W; ++e) acc[e] = Dot::finish(acc[e]);
+    V::store(x[g], V::transpose_reduce(acc));
+  }
+  for (int rr = 0; rr < RB; ++rr)
+    for (int g = 0; g < RB; ++g) std::memcpy(ptile + rows[rr] * W + g * KB, &x[g][rr * KB], KB * sizeof(float));
+}
+
+// One row against the tile, walking K row by row (sequential addresses). kD > 0: head_dim is kD
+// (fully unrolled inner loop; scores_row_walk dispatches the common sizes).
+template <class V, class Dot, int64_t kD = 0>
+OLEP_COLD_REGS void scores_row_walk_d(const typename Dot::qelem* q, int64_t Drt, const typename Dot::kelem* kp,
+                                      float* out, TilePrefetch* pf) {
+  const int64_t D = kD > 0 ? kD : Drt;
+  using vf = typename V::vf;
+  constexpr int W = V::W, E = Dot::kStep;
+  vf acc[W];
+#pragma GCC unroll 16
+  for (int t = 0; t < W; ++t) {
+    pf->step();
+    const typename Dot::kelem* kr = kp + t * D;
+    vf a0 = Dot::mul(Dot::load_q(q), Dot::load_k(kr));
+    vf a1 = V::zero();
+    int64_t d = E;
+#pragma GCC unroll 8
+    for (; d + E < D; d += 2 * E) {
+      a1 = Dot::madd(a1, Dot::load_q(q + d), Dot::load_k(kr + d));
+      a0 = Dot::madd(a0, Dot::load_q(q + d + E), Dot::load_k(kr + d + E));
+    }
+    if (d < D) a1 = Dot::madd(a1, Dot::load_q(q + d), Dot::load_k(kr + d));
+    acc[t] = Dot::finish(Dot::add(a0, a1));
+  }
+  V::store(out, V::transpose_reduce(acc));
+}
+template <class V, class Dot>
+OLEP_HOT void scores_row_walk(const typename Dot::qelem* q, int64_t D, const typename Dot::kelem* kp, float* out,
+                              TilePrefetch* pf) {
+  if (D == 128) scores_row_walk_d<V, Dot, 128>(q, D, kp, out, pf);
+  else if (D == 64) scores_row_walk_d<V, Dot, 64>(q, D, kp, out, pf);
+  else if (D == 256) scores_row_walk_d<V, Dot, 256>(q, D, kp, out, pf);
+  else scores_row_walk_d<V, Dot, 0>(q, D, kp, out, pf);
+}
+
+}  // namespace simd
+}  // namespace kernels
+}  // namespace olep
