@@ -35,7 +35,7 @@ CONFIGS = [  # (dtype, kv heads, query heads per kv head)
 ]
 NP_NAME = {"f16": "float16", "bf16": "bfloat16", "f32": "float32"}
 ELEM = {"f16": 2, "bf16": 2, "f32": 4}
-LINE = re.compile(r"^\s+(\w+)\s+median\s+([\d.]+) ms x[\d.]+\s+min\s+([\d.]+) ms")
+LINE = re.compile(r"^\s+(\w+)\s+median\s+([\d.]+) ms x[\d.]+\s+min\s+([\d.]+) ms(?:.* / read x([\d.]+))?")
 READ_LINE = re.compile(r"^\s+(\w+)\s+median\s+([\d.]+) GB/s\s+best\s+([\d.]+) GB/s")
 
 
@@ -51,8 +51,9 @@ def run_kernel(exe, isa, dtype, context, page, heads, group, head_dim, rounds):
     env = dict(os.environ, ONNX_LIGHT_ISA=isa)
     out = subprocess.run([exe, dtype, str(context), str(page), str(heads), str(group), str(head_dim), str(rounds)],
                          check=True, capture_output=True, text=True, env=env).stdout
-    ms = {m.group(1): (float(m.group(2)), float(m.group(3))) for m in map(LINE.match, out.splitlines()) if m}
-    return {k: {"median_ms": v[0], "min_ms": v[1]} for k, v in ms.items()}
+    ms = {m.group(1): (float(m.group(2)), float(m.group(3)), float(m.group(4) or "nan"))
+          for m in map(LINE.match, out.splitlines()) if m}
+    return {k: {"median_ms": v[0], "min_ms": v[1], "vs_read": v[2]} for k, v in ms.items()}
 
 
 def run_read(exe, page_bytes, unit_bytes, rounds):
@@ -98,12 +99,15 @@ def main(argv=None):
                        "default": page == onnx_light_ep.default_page_tokens(D, NP_NAME[dtype])}
                 for layout in ("one", "paged", "paged_row"):
                     row[layout + "_ms"] = med([r[layout]["median_ms"] for r in runs])
+                for layout in ("one", "paged"):  # time / the read floor (the same bytes, read in the same rounds)
+                    row[layout + "_vs_read"] = med([r[layout]["vs_read"] for r in runs])
                 for layout in ("paged", "paged_row"):
                     row[layout + "_vs_one"] = med([r[layout]["median_ms"] / r["one"]["median_ms"] for r in runs])
                     row[layout + "_vs_one_min"] = med([r[layout]["min_ms"] / r["one"]["min_ms"] for r in runs])
                 kernel.append(row)
                 print(f"{isa} {row['dtype']} {heads}x{group} page {page}: paged/one {row['paged_vs_one']:.3f} "
-                      f"(min {row['paged_vs_one_min']:.3f}), page rows/one {row['paged_row_vs_one']:.3f}", flush=True)
+                      f"(min {row['paged_vs_one_min']:.3f}), page rows/one {row['paged_row_vs_one']:.3f}, "
+                      f"paged/read {row['paged_vs_read']:.3f}", flush=True)
     floor = []
     unit = args.context * 2 * D * 2  # one (layer, kv head) of fp16 K+V at this context
     for page_bytes in (64 << 10, 128 << 10, 256 << 10):
@@ -136,15 +140,18 @@ def markdown(result, report):
               f"row per query head), context {s['context']}, head_dim {s['head_dim']}, layers enough for >= 256 MiB "
               f"of K/V; the same bytes in one block per (layer, kv head) and in pages placed in decode order (page "
               f"b of every head, then page b + 1). Ratios: time on pages / time on one block, median over "
-              f"{s['repeats']} runs of the in-run median (and of the in-run minimum); `page rows` reads page b of "
+              f"{s['repeats']} runs of the in-run median (and of the in-run minimum); `/ read`: time / the read time "
+              f"of the same bytes (one sequential pass, stream_read at the same ISA level, in the same rounds: the "
+              f"floor of a memory-bound step); `page rows` reads page b of "
               f"every head of a layer before page b + 1 (not what the op does; shown for the record).", "",
               "| ISA | dtype | heads (kv x group) | page_tokens (KiB) | one block ms | paged / one | (min) | "
-              "page rows / one |", "|---|---|---|---|---|---|---|---|"]
+              "page rows / one | one / read | paged / read |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["kernel"]:
         tag = " **default**" if r["default"] else ""
         lines.append(f"| {r['isa']} | {r['dtype']} | {r['kv_heads']} x {r['group']} | {r['page_tokens']} "
                      f"({r['page_bytes'] >> 10}){tag} | {r['one_ms']:.2f} | x{r['paged_vs_one']:.3f} | "
-                     f"x{r['paged_vs_one_min']:.3f} | x{r['paged_row_vs_one']:.3f} |")
+                     f"x{r['paged_vs_one_min']:.3f} | x{r['paged_row_vs_one']:.3f} | x{r['one_vs_read']:.3f} | "
+                     f"x{r['paged_vs_read']:.3f} |")
     lines += ["", "Read floor (`bench_scattered_read`): one core reading the same patterns with no arithmetic; "
               "`one block` = two streams (K, V) advancing 4 KiB at a time over contiguous rows; `pages` = each "
               "page one stream (how the kernel reads a page); `pages, 2 streams` = each page's K and V halves "

@@ -7,12 +7,18 @@
 //              them (page b of every (layer, head), then page b+1), read head by head
 //   paged_row  the same pages read page row by page row: page b of every head of a layer, then
 //              page b+1 (each head's online-softmax state carried across calls of attend_range)
+//   read       the read floor: the layer's K+V bytes read once, sequentially, with no arithmetic
+//              (stream_read over the one-block copy, as the decode benchmark's `limit`)
 //
 //   bench_paged_attention [dtype=f16|f32|bf16] [context=4096] [page_tokens=128] [heads=32]
-//                         [group=1] [head_dim=128] [rounds=30]
+//                         [group=1] [head_dim=128] [rounds=30] [working_set_mib=256]
 //
-// Prints the median and the minimum ms per layer-step of each layout and their ratios to one
-// block (the minimum is the figure least disturbed by other load on a shared machine).
+// working_set_mib: layers enough for at least that many MiB of K/V (1 with a small context and
+// few heads: one layer that stays in the caches, the compute time alone).
+//
+// Prints the median and the minimum ms per layer-step of each layout, their ratios to one
+// block (the minimum is the figure least disturbed by other load on a shared machine) and to
+// the read floor (`/ read`: time / read time, median and minimum).
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -26,6 +32,7 @@
 
 #include "bench_util.h"
 #include "kernels/attention.h"
+#include "kernels/stream_read.h"
 
 using namespace olep;
 using namespace olep::kernels;
@@ -47,7 +54,8 @@ int main(int argc, char** argv) {
   const size_t es = dtype_size(dtype);
   const size_t row = static_cast<size_t>(D) * es;
   const int64_t per_head = T * 2 * static_cast<int64_t>(row);
-  const int64_t layers = std::max<int64_t>(1, (256ll << 20) / (per_head * heads));  // >= 256 MiB working set
+  const int64_t ws_mib = argc > 8 ? std::atoll(argv[8]) : 256;
+  const int64_t layers = std::max<int64_t>(1, ((ws_mib << 20) + per_head * heads - 1) / (per_head * heads));
   const int64_t units = heads * layers;  // unit u = layer * heads + head
   const int64_t blocks = (T + P - 1) / P;
   const size_t half = static_cast<size_t>(P) * row;
@@ -109,16 +117,24 @@ int main(int argc, char** argv) {
   };
   struct Variant {
     const char* name;
-    const std::vector<std::vector<KVBlock>>* lists;
+    const std::vector<std::vector<KVBlock>>* lists;  // null: the read floor
     bool by_row;
     std::vector<double> ms;
   };
-  std::vector<Variant> vs = {{"one", &one, false, {}}, {"paged", &pg, false, {}}, {"paged_row", &pg, true, {}}};
+  std::vector<Variant> vs = {{"one", &one, false, {}},
+                             {"paged", &pg, false, {}},
+                             {"paged_row", &pg, true, {}},
+                             {"read", nullptr, false, {}}};
+  volatile uint64_t sink = 0;
   for (int r = 0; r < rounds; ++r)
     for (size_t i = 0; i < vs.size(); ++i) {
       Variant& v = vs[(i + static_cast<size_t>(r)) % vs.size()];
       const auto t0 = std::chrono::steady_clock::now();
-      for (int64_t l = 0; l < layers; ++l) step(*v.lists, l, v.by_row);
+      if (v.lists) {
+        for (int64_t l = 0; l < layers; ++l) step(*v.lists, l, v.by_row);
+      } else {
+        for (int64_t u = 0; u < units; ++u) sink = sink + stream_read(cbase(u), static_cast<size_t>(per_head));
+      }
       v.ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() /
                      static_cast<double>(layers));
     }
@@ -128,10 +144,12 @@ int main(int argc, char** argv) {
               static_cast<long long>(layers), rounds);
   const double base = median(vs[0].ms);
   const double base_min = *std::min_element(vs[0].ms.begin(), vs[0].ms.end());
+  const double rd = median(vs.back().ms);
+  const double rd_min = *std::min_element(vs.back().ms.begin(), vs.back().ms.end());
   for (const Variant& v : vs) {
     const double mn = *std::min_element(v.ms.begin(), v.ms.end());
-    std::printf("  %-10s median %8.3f ms x%.3f   min %8.3f ms x%.3f\n", v.name, median(v.ms), median(v.ms) / base, mn,
-                mn / base_min);
+    std::printf("  %-10s median %9.4f ms x%.3f   min %9.4f ms x%.3f   / read x%.3f (min x%.3f)\n", v.name,
+                median(v.ms), median(v.ms) / base, mn, mn / base_min, median(v.ms) / rd, mn / rd_min);
   }
   return 0;
 }
