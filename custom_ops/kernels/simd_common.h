@@ -20,6 +20,8 @@ namespace simd {
 // them once the kernels grow, costing a call and register spills per tile).
 #define OLEP_HOT inline __attribute__((always_inline))
 #define OLEP_COLD_REGS __attribute__((noinline))
+// The same for a lambda: `[&](...) OLEP_LAMBDA_HOT { ... }`.
+#define OLEP_LAMBDA_HOT __attribute__((always_inline))
 
 template <class V>
 OLEP_HOT typename V::vf tanh_v(typename V::vf y) {

@@ -3,6 +3,7 @@
 #pragma once
 
 #include "kernels/simd_row_codes.h"
+#include "kernels/simd_row_pv.h"
 #include "kernels/simd_row_scores.h"
 
 namespace olep {
@@ -89,12 +90,18 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
   TilePrefetch pf;
   const int64_t row_count = G * valid;
   // pf.step() calls per tile: score loops, then P.V loops (one per key per row pair and chunk)
-  constexpr int kPvRows = (W >= 16 && !std::is_same<KE, float>::value) ? 4 : 2;
+  // P.V rows per V load (pv_tile_rows): 4, so each V vector is loaded (and converted) once per
+  // 4 rows (GQA 32/8, in L2, AVX2: 2 rows measured 4-30% slower, fp32 the most).
+  constexpr int kPvRows = 4;
   const int64_t tile_steps = [&] {
     const int64_t r4 = row_count / 4, r2 = row_count % 4 / 2, r1 = row_count % 2;
-    const int64_t dsteps = dot ? D / (2 * W) : D / W;  // score-loop iterations per row block
-    const int64_t scores = r4 * 4 * dsteps + r2 * 2 * dsteps + r1 * W;
-    const int64_t pv = (row_count / kPvRows) * W * pv_passes<W, kPvRows>(Dv) + (row_count % kPvRows) * W * pv_passes<W, 1>(Dv);
+    const int E = dot || kCodes ? 2 * W : W;  // elements per score-loop iteration
+    const int64_t scores = kCodes4 ? (r4 * 4 + r2 * 2) * (D / (4 * W)) + r1 * W  // scores_i4_rows: one per 4 W
+                                   : r4 * scores_rows_steps<4>(D, E) + r2 * scores_rows_steps<2>(D, E) + r1 * W;
+    const int64_t pv = kCodes ? (row_count / 2) * W * pv_passes<W, 2>(Dv) + (row_count % 2) * W * pv_passes<W, 1>(Dv)
+                              : (row_count / kPvRows) * pv_tile_steps<W, kPvRows>(Dv) +
+                                    (row_count % kPvRows / 2) * pv_tile_steps<W, 2>(Dv) +
+                                    (row_count % 2) * pv_tile_steps<W, 1>(Dv);
     return scores + pv;
   }();
 
@@ -350,24 +357,33 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
       if constexpr (kCodes) {
         pv_codes_tile<V, kCodes4>(a, ptile, corr, vbias, pw, st->acc, vc.vrows, vc.vpar, n, &pf);
       } else {
-        // 16-bit K/V: 4 rows per V load, so each V vector is converted once per 4 rows
-        // (measured 5% faster for GQA 32/8 fp16); float32: 2 rows with whole-row chunks.
+        // kPvRows rows per V load, then a pair, then single rows (one row: MHA decode).
         constexpr int RB = kPvRows;
         int64_t rows[RB];
         int nr = 0;
+        auto pv = [&](auto rb, const int64_t* rs) OLEP_LAMBDA_HOT {
+          constexpr int kRB = decltype(rb)::value;
+          if (row_count == 1) {  // MHA: pv_rows' key loop (memory-bound; the unrolled one measured no faster)
+            if (all_seen) pv_rows<V, KL, 1, false>(st->acc, rs, Dv, vp, ptile, 1, W, n, corr, &pf);
+            else pv_rows<V, KL, 1, true>(st->acc, rs, Dv, vp, ptile, 1, W, n, corr, &pf);
+          } else if (all_seen) {
+            pv_tile_rows<V, KL, kRB, false>(st->acc, rs, Dv, vp, ptile, n, corr, &pf);
+          } else {
+            pv_tile_rows<V, KL, kRB, true>(st->acc, rs, Dv, vp, ptile, n, corr, &pf);
+          }
+        };
         for (int64_t i = 0; i < valid; ++i)
           for (int64_t h = 0; h < G; ++h) {
             rows[nr++] = h * S + i;
             if (nr == RB) {
-              if (all_seen) pv_rows<V, KL, RB, false>(st->acc, rows, Dv, vp, ptile, 1, W, n, corr, &pf);
-              else pv_rows<V, KL, RB, true>(st->acc, rows, Dv, vp, ptile, 1, W, n, corr, &pf);
+              pv(std::integral_constant<int, RB>{}, rows);
               nr = 0;
             }
           }
-        for (int k = 0; k < nr; ++k) {
-          if (all_seen) pv_rows<V, KL, 1, false>(st->acc, rows + k, Dv, vp, ptile, 1, W, n, corr, &pf);
-          else pv_rows<V, KL, 1, true>(st->acc, rows + k, Dv, vp, ptile, 1, W, n, corr, &pf);
-        }
+        int k = 0;
+        if constexpr (RB > 2)
+          for (; k + 2 <= nr; k += 2) pv(std::integral_constant<int, 2>{}, rows + k);
+        for (; k < nr; ++k) pv(std::integral_constant<int, 1>{}, rows + k);
       }
     }
     if constexpr (kCodes) {
