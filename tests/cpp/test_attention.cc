@@ -316,6 +316,28 @@ void block_and_lane_paths() {
   run_case(pre, seed++, 2e-5);
 }
 
+// The row path's register blocks and their remainders against the double reference: 3, 5, 6
+// and 7 rows per KV head (4-row P.V blocks, then a pair, then one row), head_dim whose score
+// loop ends in a single iteration and v_head_dim whose P.V ends in 1- and 2-vector chunks (the
+// multiples of 8 run at AVX2 and fall back to scalar at AVX-512; the multiples of 16 run at
+// both), keys over pages of 37 rows (partial tiles at every page end), masks and a window.
+void row_block_remainders() {
+  uint32_t seed = 500;
+  const int64_t dims[][2] = {{24, 24}, {40, 56}, {8, 40}, {16, 48}, {48, 80}, {80, 112}, {16, 16}};
+  for (DType t : {DType::kFloat32, DType::kFloat16, DType::kBFloat16})
+    for (const auto& dd : dims)
+      for (int64_t G : {3, 5, 6, 7}) {
+        Case c;
+        c.G = G; c.S = 1; c.P = 150; c.D = dd[0]; c.Dv = dd[1]; c.page_rows = 37; c.dtype = t;
+        const double tol = t == DType::kFloat32 ? 2e-5 : t == DType::kFloat16 ? 2e-3 : 1.6e-2;
+        run_case(c, seed++, tol);
+        c.mask = 2; c.window = 60;
+        run_case(c, seed++, tol);
+        c.S = 2; c.valid_rows = 1; c.mask = 1; c.window = -1;  // one valid row of two
+        run_case(c, seed++, tol);
+      }
+}
+
 // One head group (G query heads, S rows at the end of T keys, causal) over one block of
 // block_rows >= T rows of k/v (rows past T are capacity the kernel must not read).
 AttentionGroup one_tile_group(const std::vector<float>& q, const std::vector<float>& k, const std::vector<float>& v,
@@ -909,6 +931,7 @@ void run_all() {
   large_values_stay_finite();
   inf_value_times_underflow();
   block_and_lane_paths();
+  row_block_remainders();
   poisoned_tail_unread();
   nan_in_one_head();
   nan_with_softcap();
