@@ -9,19 +9,24 @@ namespace olep {
 namespace kernels {
 namespace simd {
 
-// Score-loop iterations (of Dot::kStep elements) between two TilePrefetch steps in scores_rows.
-constexpr int kScoreStepIters = 2;
-// pf->step() calls scores_rows makes for head_dim D (kStep E elements per iteration).
-template <int RB>
+// Score-loop iterations (of E = Dot::kStep elements) between two TilePrefetch steps in
+// scores_rows: one step per 2 W elements (a step per iteration cost ~3 instructions per FMA;
+// far fewer steps make bursts of prefetches that stall the tile's own loads).
+template <int W>
+constexpr int score_step_iters(int E) {
+  return E >= 2 * W ? 1 : 2 * W / E;
+}
+// pf->step() calls scores_rows makes for head_dim D.
+template <int W, int RB>
 constexpr int64_t scores_rows_steps(int64_t D, int E) {
-  return RB * ((D / E + kScoreStepIters - 1) / kScoreStepIters);
+  return RB * ((D / E + score_step_iters<W>(E) - 1) / score_step_iters<W>(E));
 }
 
 // Raw scores of RB query rows against the W keys of a tile (rows of kp, stride D; rows past
 // the valid ones are zero padding): ptile[row * W + t] = q_row . k_t. Register block of RB
 // rows x KB = W / RB keys: each K load serves RB rows and each q load KB keys; one
 // transpose-reduce per W scores. The q row addresses are taken once and the prefetcher steps
-// once per kScoreStepIters iterations (scores_rows_steps), so the inner loop is loads and
+// once per score_step_iters iterations (scores_rows_steps), so the inner loop is loads and
 // multiply-adds only (per-iteration row addressing and prefetch bookkeeping measured 2x the
 // FMA count in instructions). The sums run over d in the same order as a plain loop.
 template <class V, class Dot, int RB>
@@ -51,11 +56,12 @@ OLEP_COLD_REGS void scores_rows(const typename Dot::qelem* qf, int64_t D, const 
         for (int tt = 0; tt < KB; ++tt) acc[rr * KB + tt] = Dot::madd(acc[rr * KB + tt], qv, kv[tt]);
       }
     };
+    constexpr int kIters = score_step_iters<W>(E);
     int64_t d = 0;
-    for (; d + kScoreStepIters * E <= D; d += kScoreStepIters * E) {
+    for (; d + kIters * E <= D; d += kIters * E) {
       pf->step();
 #pragma GCC unroll 4
-      for (int k = 0; k < kScoreStepIters; ++k) iter(d + k * E);
+      for (int k = 0; k < kIters; ++k) iter(d + k * E);
     }
     if (d < D) {
       pf->step();

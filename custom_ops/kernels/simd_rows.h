@@ -90,15 +90,18 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
   TilePrefetch pf;
   const int64_t row_count = G * valid;
   // pf.step() calls per tile: score loops, then P.V loops (one per key per row pair and chunk)
-  // P.V rows per V load (pv_tile_rows): 4, so each V vector is loaded (and converted) once per
-  // 4 rows (GQA 32/8, in L2, AVX2: 2 rows measured 4-30% slower, fp32 the most).
+  // P.V rows per V load at AVX2 (pv_tile_rows): 4, so each V vector is loaded (and converted)
+  // once per 4 rows (GQA 32/8, in L2, AVX2: 2 rows measured 4-30% slower, fp32 the most).
   constexpr int kPvRows = 4;
   const int64_t tile_steps = [&] {
     const int64_t r4 = row_count / 4, r2 = row_count % 4 / 2, r1 = row_count % 2;
     const int E = dot || kCodes ? 2 * W : W;  // elements per score-loop iteration
     const int64_t scores = kCodes4 ? (r4 * 4 + r2 * 2) * (D / (4 * W)) + r1 * W  // scores_i4_rows: one per 4 W
-                                   : r4 * scores_rows_steps<4>(D, E) + r2 * scores_rows_steps<2>(D, E) + r1 * W;
+                                   : r4 * scores_rows_steps<W, 4>(D, E) + r2 * scores_rows_steps<W, 2>(D, E) + r1 * W;
+    constexpr int kPvOld = std::is_same<KE, float>::value ? 2 : 4;  // W >= 16: pv_rows, these rows per V load
     const int64_t pv = kCodes ? (row_count / 2) * W * pv_passes<W, 2>(Dv) + (row_count % 2) * W * pv_passes<W, 1>(Dv)
+                       : W >= 16 ? (row_count / kPvOld) * W * pv_passes<W, kPvOld>(Dv) +
+                                       (row_count % kPvOld) * W * pv_passes<W, 1>(Dv)
                               : (row_count / kPvRows) * pv_tile_steps<W, kPvRows>(Dv) +
                                     (row_count % kPvRows / 2) * pv_tile_steps<W, 2>(Dv) +
                                     (row_count % 2) * pv_tile_steps<W, 1>(Dv);
@@ -357,20 +360,40 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
       if constexpr (kCodes) {
         pv_codes_tile<V, kCodes4>(a, ptile, corr, vbias, pw, st->acc, vc.vrows, vc.vpar, n, &pf);
       } else {
-        // kPvRows rows per V load, then a pair, then single rows (one row: MHA decode).
+        // kPvRows rows per V load, then a pair, then single rows. One row (MHA decode): pv_rows'
+        // key loop, as before pv_tile_rows (memory-bound there; the unrolled loop measured no faster).
+        if (W >= 16) {  // AVX-512: pv_rows (pv_tile_rows measured 7% slower there for GQA bf16, no faster otherwise)
+          constexpr int RB = std::is_same<KE, float>::value ? 2 : 4;
+          int64_t rows[RB];
+          int nr = 0;
+          for (int64_t i = 0; i < valid; ++i)
+            for (int64_t h = 0; h < G; ++h) {
+              rows[nr++] = h * S + i;
+              if (nr == RB) {
+                if (all_seen) pv_rows<V, KL, RB, false>(st->acc, rows, Dv, vp, ptile, 1, W, n, corr, &pf);
+                else pv_rows<V, KL, RB, true>(st->acc, rows, Dv, vp, ptile, 1, W, n, corr, &pf);
+                nr = 0;
+              }
+            }
+          for (int k = 0; k < nr; ++k) {
+            if (all_seen) pv_rows<V, KL, 1, false>(st->acc, rows + k, Dv, vp, ptile, 1, W, n, corr, &pf);
+            else pv_rows<V, KL, 1, true>(st->acc, rows + k, Dv, vp, ptile, 1, W, n, corr, &pf);
+          }
+          continue;  // (the last step of the tile)
+        }
+        if (row_count == 1) {  // G = 1, one valid row: state row 0
+          const int64_t row0[1] = {0};
+          if (all_seen) pv_rows<V, KL, 1, false>(st->acc, row0, Dv, vp, ptile, 1, W, n, corr, &pf);
+          else pv_rows<V, KL, 1, true>(st->acc, row0, Dv, vp, ptile, 1, W, n, corr, &pf);
+          continue;  // (the last step of the tile)
+        }
         constexpr int RB = kPvRows;
         int64_t rows[RB];
         int nr = 0;
         auto pv = [&](auto rb, const int64_t* rs) OLEP_LAMBDA_HOT {
           constexpr int kRB = decltype(rb)::value;
-          if (row_count == 1) {  // MHA: pv_rows' key loop (memory-bound; the unrolled one measured no faster)
-            if (all_seen) pv_rows<V, KL, 1, false>(st->acc, rs, Dv, vp, ptile, 1, W, n, corr, &pf);
-            else pv_rows<V, KL, 1, true>(st->acc, rs, Dv, vp, ptile, 1, W, n, corr, &pf);
-          } else if (all_seen) {
-            pv_tile_rows<V, KL, kRB, false>(st->acc, rs, Dv, vp, ptile, n, corr, &pf);
-          } else {
-            pv_tile_rows<V, KL, kRB, true>(st->acc, rs, Dv, vp, ptile, n, corr, &pf);
-          }
+          if (all_seen) pv_tile_rows<V, KL, kRB, false>(st->acc, rs, Dv, vp, ptile, n, corr, &pf);
+          else pv_tile_rows<V, KL, kRB, true>(st->acc, rs, Dv, vp, ptile, n, corr, &pf);
         };
         for (int64_t i = 0; i < valid; ++i)
           for (int64_t h = 0; h < G; ++h) {
