@@ -25,7 +25,7 @@ import onnx_light_ep
 import ort_utils
 from onnx_light_ep.rewrite import convert
 from reference import BF16, assert_close, from_bnsh, ref_rows, to_bnsh
-from test_tensor_mode_gqa import _rotary_caches, gqa_model
+from test_tensor_mode_gqa import _new_tokens as _feeds, _rotary_caches, gqa_model
 
 PROMPT_LENS = np.array([7, 4])
 DECODE_STEPS = 6
@@ -55,15 +55,6 @@ def _converted(model, tmp_path, fuse):
     dst = str(tmp_path / f"gqa.{'fused' if fuse else 'unfused'}.onnx")
     report = convert(str(src), dst, fuse_gqa=fuse)
     return report, dst
-
-
-def _feeds(rng, b, s, hq, hkv, d, dt, packed):
-    q = rng.standard_normal((b, s, hq * d))
-    k = rng.standard_normal((b, s, hkv * d))
-    v = rng.standard_normal((b, s, hkv * d))
-    if packed:
-        return {"query": np.concatenate([q, k, v], axis=2).astype(dt)}
-    return {"query": q.astype(dt), "key": k.astype(dt), "value": v.astype(dt)}
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=_cfg_id)
