@@ -162,7 +162,6 @@ def _np_rotary(x, cos, sin, pos, interleaved):
     return y
 
 
-@pytest.mark.skipif(BF16 is None, reason="needs ml_dtypes for bfloat16 arrays")
 @pytest.mark.parametrize("interleaved", [0, 1])
 def test_bf16_fused_against_numpy(interleaved, tmp_path):
     hq, hkv, d, rdim = 4, 2, 32, 16
