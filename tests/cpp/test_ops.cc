@@ -53,6 +53,15 @@ int64_t make_cache(int64_t layers, int64_t B, int64_t Hkv, int64_t D, int64_t ca
   return Registry::instance().add_cache(std::make_shared<KVCache>(g, nullptr));
 }
 
+// cache_export's allocator: K and V land in kk / vv (sized by the shapes it is given).
+auto grab(std::vector<float>& kk, std::vector<float>& vv) {
+  return [&](const std::vector<int64_t>& ks, const std::vector<int64_t>& vs, DType) {
+    kk.assign(static_cast<size_t>(ks[0] * ks[1] * ks[2] * ks[3]), 1.0f);
+    vv.assign(static_cast<size_t>(vs[0] * vs[1] * vs[2] * vs[3]), 1.0f);
+    return std::make_pair<void*, void*>(kk.data(), vv.data());
+  };
+}
+
 void test_validation_names_inputs() {
   const int64_t B = 2, Hq = 4, Hkv = 2, S = 3, D = 8;
   const int64_t h = make_cache(1, B, Hkv, D, 16);
@@ -137,13 +146,6 @@ void test_3d_equals_4d_and_export() {
     for (size_t i = 0; i < y3.size(); ++i) CHECK(y3[i] == y4t[i]);
   }
   std::vector<float> k4, v4, k3, v3;
-  auto grab = [](std::vector<float>& kk, std::vector<float>& vv) {
-    return [&](const std::vector<int64_t>& ks, const std::vector<int64_t>& vs, DType) {
-      kk.assign(static_cast<size_t>(ks[0] * ks[1] * ks[2] * ks[3]), 1.0f);
-      vv.assign(static_cast<size_t>(vs[0] * vs[1] * vs[2] * vs[3]), 1.0f);
-      return std::make_pair<void*, void*>(kk.data(), vv.data());
-    };
-  };
   cache_export(0, i64(&h4, {1}), grab(k4, v4));
   cache_export(0, i64(&h3, {1}), grab(k3, v3));
   CHECK(k4.size() == static_cast<size_t>(B * Hkv * 9 * D));
@@ -305,13 +307,6 @@ void test_packed_rotary_equals_prerotated() {
       for (int64_t b = 0; b < B; ++b) past[static_cast<size_t>(b)] = sk[static_cast<size_t>(b)] + 1;
     }
     std::vector<float> kf, vf, kr, vr;
-    auto grab = [](std::vector<float>& kk, std::vector<float>& vv) {
-      return [&](const std::vector<int64_t>& ks, const std::vector<int64_t>& vs, DType) {
-        kk.assign(static_cast<size_t>(ks[0] * ks[1] * ks[2] * ks[3]), 1.0f);
-        vv.assign(static_cast<size_t>(vs[0] * vs[1] * vs[2] * vs[3]), 1.0f);
-        return std::make_pair<void*, void*>(kk.data(), vv.data());
-      };
-    };
     cache_export(0, i64(&hf, {1}), grab(kf, vf));
     cache_export(0, i64(&hr, {1}), grab(kr, vr));
     CHECK(kf == kr && vf == vr);
