@@ -18,12 +18,16 @@ D, SCALE, SIGMA = 128, 0.499, 2.2
 
 
 def _naive_fp32(q, k, v, g):
+    # Sums by numpy's own float32 reductions (q . k over the contiguous head_dim: pairwise), not
+    # by matmul, whose order is the BLAS build's and the CPU's (OpenBLAS's AVX2 sgemm on Zen 3
+    # put this bar at 1.38x the tolerance, its AVX-512 one inside).
     k, v = np.repeat(k, g, axis=1), np.repeat(v, g, axis=1)
-    s = (q @ k.transpose(0, 1, 3, 2)) * np.float32(SCALE)
+    s = (q[:, :, :, None, :] * k[:, :, None, :, :]).sum(-1) * np.float32(SCALE)
     S, T = s.shape[-2:]
     s = s + np.where(np.arange(T)[None, :] <= np.arange(S)[:, None] + (T - S), 0, -np.inf).astype(np.float32)
     e = np.exp(s - s.max(-1, keepdims=True))
-    return (e / e.sum(-1, keepdims=True)) @ v
+    p = e / e.sum(-1, keepdims=True)
+    return (p[:, :, :, :, None] * v[:, :, None, :, :]).sum(-2)
 
 
 @pytest.mark.parametrize("hq,hkv,S,P", [(4, 4, 13, 0), (8, 2, 13, 0), (32, 1, 1, 40), (8, 8, 1, 60)],

@@ -257,6 +257,53 @@ def _hf_config(family, **over):
     return cfg
 
 
+def _gemma3_fp32_error(prompt):
+    """max |logits| error of plain ORT's fp32 prefill of the Gemma-3 fixture against float64: the
+    optimum export (plain ops, all with ORT double kernels) cast to float64 and run on plain ORT
+    (graph optimizations off). Both Gemma-3 fixtures hold the same random-weight model."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, numpy_helper
+
+    m = onnx.load(os.path.join(DATA, "optimum_op18_gemma3.onnx"))
+    g = m.graph
+
+    def to_double(t):
+        if t.data_type == TensorProto.FLOAT:
+            t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t).astype(np.float64), t.name))
+
+    for t in g.initializer:
+        to_double(t)
+    for n in g.node:
+        for a in n.attribute:
+            if a.type == onnx.AttributeProto.TENSOR:
+                to_double(a.t)
+            if n.op_type == "Cast" and a.name == "to" and a.i == TensorProto.FLOAT:
+                a.i = TensorProto.DOUBLE
+    for vi in list(g.input) + list(g.output) + list(g.value_info):
+        if vi.type.tensor_type.elem_type == TensorProto.FLOAT:
+            vi.type.tensor_type.elem_type = TensorProto.DOUBLE
+    ids = np.array([prompt], np.int64)
+
+    def run(model, dtype):
+        so = ort.SessionOptions()
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        sess = ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
+        feeds = {}
+        for i in sess.get_inputs():
+            if i.name == "input_ids":
+                feeds[i.name] = ids
+            elif i.name == "attention_mask":
+                feeds[i.name] = np.ones_like(ids)
+            else:  # empty past_key_values.*
+                feeds[i.name] = np.zeros([1 if j == 0 else d if isinstance(d, int) else 0
+                                          for j, d in enumerate(i.shape)], dtype)
+        return sess.run(None, feeds)[0]
+
+    exact = run(m.SerializeToString(), np.float64)
+    return float(np.abs(run(os.path.join(DATA, "optimum_op18_gemma3.onnx"), np.float32) - exact).max())
+
+
 @pytest.mark.parametrize("name", ["dynamo_op23_gemma3", "optimum_op18_gemma3"])
 @pytest.mark.parametrize("config,want", [
     ({}, [16, 16, 16, -1]),                                     # window from config.json's layer_types
@@ -284,13 +331,17 @@ def test_window_from_config_json_beside_a_mask_export(tmp_path, name, config, wa
     assert [x["local_window_size"] for x in read_metadata(dst)["layers"]] == want
     assert ("sliding windows: layers 0-2: 16; layer 3: none" in str(report)) == (want[0] == 16)
     prompt = (np.arange(80) * 37 % 997 + 3).tolist()
-    result = compare(src, dst, prompt_ids=[prompt], steps=8, threads=1)
-    # fp32, compare's default (|d| <= 1e-4 + 1e-5 |original| at every position); the dynamo export also
-    # within 1e-4 absolute. optimum's decomposed graph on plain ORT differs from the kernel by ~1.04e-4
-    # over this 80-token prefill with or without the window (logits up to ~26), so not that extra bound.
+    # fp32: |d| <= atol + 1e-5 |original| at every position, atol compare's default 1e-4 or, where
+    # larger, plain ORT's own fp32 error on this model (its prefill logits, up to ~37, against a
+    # float64 run): an EP-vs-ORT bar below the error both sides have against the exact result
+    # measures their two float32 summation orders, not the conversion. (Measured: ORT's fp32 error
+    # 2.0e-4 on Zen 3, where the EP's is 1.9e-4 and EP vs ORT 1.2e-4; on Zen 4 / Xeon EP vs ORT
+    # ~1.04e-4.) The dynamo export also within that bound absolute.
+    atol = max(1e-4, _gemma3_fp32_error(prompt))
+    result = compare(src, dst, prompt_ids=[prompt], steps=8, threads=1, atol=atol)
     assert result.ok, result.summary()
     if name.startswith("dynamo"):
-        assert result.max_abs <= 1e-4, result.summary()
+        assert result.max_abs <= atol, result.summary()
     sess = InferenceSession(dst)
     has_positions = any(i.name == "position_ids" for i in sess.get_inputs())
     assert has_positions == name.startswith("dynamo")  # optimum's Gemma export derives them from the mask
