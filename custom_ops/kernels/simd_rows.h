@@ -118,6 +118,16 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
   // blocks (one contiguous block) and several rows keep one-tile chunks: two streams that
   // advance together (chunked, one block measured 10% slower), and several rows' software
   // prefetch of the next tile covers page starts.
+  // One query row of float16/bfloat16 at AVX2 (W = 8): software prefetch of the K rows (scores
+  // pass) and V rows (P.V pass) row_ahead bytes past the tile being read, a tile's worth per
+  // tile. Past a page's K rows that is its V rows (pages hold K rows then V rows); past its V
+  // rows, whatever the pool holds next (up to row_ahead bytes per block fetched in vain). On
+  // Zen 3 the hardware prefetchers alone left the 16-bit stream at 0.65x stream_read (MHA, 16K
+  // keys, kernel alone, tools/cpp/bench_paged_attention, alternating builds: fp16 0.76x and
+  // bf16 0.84x the time per step; fp32 2.5% slower with it, so not there; 8 KiB ahead no better).
+  const int64_t row_ahead = W == 8 && enc == KVEncoding::kNative && es == 2 ? 4096 : 0;
+  const int64_t k_row_bytes = D * static_cast<int64_t>(es);
+  const int64_t v_row_bytes = Dv * static_cast<int64_t>(es);
   TileCursor kc{a, kmin, kmax, W, es};  // the scores pass
   TileCursor vc{a, kmin, kmax, W, es};  // the softmax + P.V pass, over the same tiles
   int64_t scaled_blk = -1;              // kCodes: the block whose K scales q16 holds
@@ -134,10 +144,12 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
       // Software prefetch of the next tile, spread over this tile's loops, when several rows
       // share the KV head: their compute is long enough that the hardware prefetchers alone
       // leave DRAM idle for part of each tile (GQA 32/8 fp32: 1.8x -> 1.07x the read limit).
-      // One row (MHA) walks K sequentially and the hardware prefetchers keep up; software
-      // prefetch measured slower there.
+      // One row (MHA) walks K sequentially: at AVX-512 the hardware prefetchers keep up
+      // (software prefetch measured slower on Zen 4); at AVX2 16-bit rows row_ahead bytes ahead
+      // are prefetched (see row_ahead).
       pf.reset(nullptr, 0, nullptr, 0, 1);
       if (row_count >= 2) pf.reset_next(kc, D * es, Dv * es, tile_steps);
+      else if (row_ahead > 0) pf.reset(krows + row_ahead, kc.n * k_row_bytes, nullptr, 0, W);
       if constexpr (kCodes4) {
         if (kc.blk != scaled_blk) {  // (ktile is free until the tile's K copy)
           codes_query_i4<V>(a, a.blocks[kc.blk], qf, q16, qsc, qbias, reinterpret_cast<int16_t*>(ktile));
@@ -383,6 +395,7 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
         }
         if (row_count == 1) {  // G = 1, one valid row: state row 0
           const int64_t row0[1] = {0};
+          if (row_ahead > 0) pf.reset(vc.vrows + row_ahead, n * v_row_bytes, nullptr, 0, n * pv_passes<W, 1>(Dv));
           if (all_seen) pv_rows<V, KL, 1, false>(st->acc, row0, Dv, vp, ptile, 1, W, n, corr, &pf);
           else pv_rows<V, KL, 1, true>(st->acc, row0, Dv, vp, ptile, 1, W, n, corr, &pf);
           continue;  // (the last step of the tile)
