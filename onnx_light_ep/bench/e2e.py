@@ -14,8 +14,13 @@ Two exports of SmolLM2-135M-Instruct by the onnxruntime-genai builder (CPU,
 
 For each model, thread count and context length ``C`` the runners take turns (order
 rotated per point): a runner prefills the ``C`` prompt tokens and picks the first token
-(timed: ``ttft_s``, time to first token), then decodes ``warmup + reps`` tokens back to
-back; the ``warmup`` steps are discarded and the median of ``reps`` steps gives tokens/s.
+(timed: ``ttft_s``, time to first token) and decodes ``warmup + reps`` tokens; the ``warmup``
+steps are discarded and the median of ``reps`` steps gives tokens/s. At 1 thread the decode
+steps are interleaved, one step of each runner in turn (on a shared machine whose memory
+bandwidth drifts by tens of percent over minutes, back-to-back blocks handed whichever runner
+ran in a quiet spell a 10% lead); with more threads each runner decodes back to back right
+after its prefill, as ORT's intra-op threads spin on after a run and would slow the next
+runner's step.
 A context whose measured steps would leave the model's positions (its rotary table) is
 clamped to the largest that fits, with a note. Beside each rate: the physical limit at that
 context, ``decode_limit_tokens_per_s`` (the weights a step reads + ``C`` positions of K/V, at
@@ -240,40 +245,67 @@ def _err(e: BaseException) -> str:
     return f"{type(e).__name__}: {str(e)[:300]}"
 
 
-def _measure_point(runners, prompt, capacity, warmup, reps, rot) -> Dict:
-    """One (model, threads, context) point: every runner prefills and decodes in turn."""
+def _measure_point(runners, prompt, capacity, warmup, reps, rot, interleave=False) -> Dict:
+    """One (model, threads, context) point. Every runner prefills in turn (timed: ttft_s). Then
+    ``interleave``: one decode step of each runner in turn, ``warmup + reps`` rounds, so that a
+    shared machine's slow spells fall on every runner alike; else each runner decodes its steps
+    back to back right after its prefill."""
     run: Dict = {"runners": {}}
     tokens: Dict[str, List[int]] = {}
-    for r in runners[rot:] + runners[:rot]:
+    order = runners[rot:] + runners[:rot]
+    live = []
+
+    def finish(r) -> None:
+        try:
+            r.stop()
+        except Exception:  # noqa: BLE001 - nothing left to measure on it
+            pass
+        entry = run["runners"][r.key]
+        if r.key in tokens:
+            ms = entry["samples_ms"]
+            med = statistics.median(ms)
+            entry.update({"median_ms": med, "p25_ms": float(np.quantile(ms, 0.25)),
+                          "p75_ms": float(np.quantile(ms, 0.75)), "tokens_per_s": 1000.0 / med})
+
+    def step(r, i) -> bool:
+        entry = run["runners"][r.key]
+        try:
+            t0 = time.perf_counter_ns()
+            tokens[r.key].append(r.step())
+            entry["samples_ms" if i >= warmup else "warmup_ms"].append((time.perf_counter_ns() - t0) / 1e6)
+            return True
+        except Exception as e:  # a failing decode is reported; the others go on
+            run["runners"][r.key] = {"status": f"error at decode step {i}: {_err(e)}", "ttft_s": entry["ttft_s"]}
+            tokens.pop(r.key, None)
+            return False
+
+    for r in order:
         t0 = time.perf_counter()
         try:
             tokens[r.key] = [r.start(prompt, capacity)]
         except Exception as e:  # a failing prefill is reported; the others go on
             run["runners"][r.key] = {"status": f"error in prefill: {_err(e)}"}
             continue
-        entry = {"status": "ok", "ttft_s": time.perf_counter() - t0, "samples_ms": [], "warmup_ms": []}
-        run["runners"][r.key] = entry
-        try:
-            for i in range(warmup + reps):
-                t0 = time.perf_counter_ns()
-                tokens[r.key].append(r.step())
-                entry["samples_ms" if i >= warmup else "warmup_ms"].append((time.perf_counter_ns() - t0) / 1e6)
-        except Exception as e:  # a failing decode is reported; the others go on
-            run["runners"][r.key] = {"status": f"error at decode step {i}: {_err(e)}", "ttft_s": entry["ttft_s"]}
-            tokens.pop(r.key, None)
-        finally:
-            try:
-                r.stop()
-            except Exception:  # noqa: BLE001 - nothing left to measure on it
-                pass
-        if r.key in tokens:
-            ms = entry["samples_ms"]
-            med = statistics.median(ms)
-            entry.update({"median_ms": med, "p25_ms": float(np.quantile(ms, 0.25)),
-                          "p75_ms": float(np.quantile(ms, 0.75)), "tokens_per_s": 1000.0 / med})
+        run["runners"][r.key] = {"status": "ok", "ttft_s": time.perf_counter() - t0, "samples_ms": [],
+                                 "warmup_ms": []}
+        if interleave:
+            live.append(r)
+            continue
+        for i in range(warmup + reps):
+            if not step(r, i):
+                break
+        finish(r)
+    for i in range(warmup + reps):
+        for r in list(live):
+            if not step(r, i):
+                live.remove(r)
+                finish(r)
+    for r in live:
+        finish(r)
     ref = tokens.get("ort_past_present")
     run["tokens_agree"] = {k: v == ref for k, v in tokens.items() if ref and k != "ort_past_present"}
     run["generated_tokens"] = tokens
+    run["interleaved"] = bool(interleave)
     return run
 
 
@@ -364,7 +396,10 @@ def run_model(model: E2EModel, contexts: Sequence[int], threads: Sequence[int], 
             else:
                 prompt = rng.integers(100, model.vocab_size - 100, size=(1, run_ctx), dtype=np.int64)
                 capacity = min(run_ctx + steps + 8, model.positions or 1 << 62)
-                point.update(_measure_point(runners, prompt, capacity, warmup, reps, n_points % max(1, len(runners))))
+                # 1 thread: decode steps interleaved (no intra-op threads that could spin into the
+                # next runner's step); more: each runner's steps back to back (ORT's spinning pool)
+                point.update(_measure_point(runners, prompt, capacity, warmup, reps, n_points % max(1, len(runners)),
+                                            interleave=int(t) == 1))
             out["runs"].append(point)
             try:
                 best_bw[str(t)] = max(best_bw.get(str(t), 0.0), float(measure_bandwidth(t)))

@@ -121,6 +121,42 @@ def test_run_model_clamps_reports_failures_and_keeps_the_rest():
     assert "genai@1: ImportError" in md
 
 
+@pytest.mark.parametrize("threads,interleaved", [(1, True), (2, False)])
+def test_decode_steps_interleave_at_one_thread_and_run_back_to_back_with_more(threads, interleaved):
+    """1 thread: one step of each runner in turn (a shared machine's slow spells hit all alike);
+    more threads: each runner's steps right after its prefill (ORT's pool spins on after a run).
+    A runner failing mid-way is reported and leaves the others' rounds intact."""
+    log = []
+
+    class Logged(_Fake):
+        def start(self, prompt, capacity):
+            log.append((self.key, "start"))
+            return super().start(prompt, capacity)
+
+        def step(self):
+            log.append((self.key, "step"))
+            return super().step()
+
+    def makers(model, t):
+        return [("ep_kvcache", lambda so_patch=None: Logged("ep_kvcache")),
+                ("ort_past_present", lambda so_patch=None: Logged("ort_past_present", fail_at=2))]
+
+    out = e2e.run_model(_model(), (16,), (threads,), warmup=1, reps=3, profile_context=None, makers=makers,
+                        progress=lambda s: None, measure_bandwidth=lambda t: 1.0)
+    run = out["runs"][0]
+    assert run["interleaved"] is interleaved
+    E, O = "ep_kvcache", "ort_past_present"
+    if interleaved:
+        assert log == [(E, "start"), (O, "start"), (E, "step"), (O, "step"), (E, "step"), (O, "step"),
+                       (E, "step"), (E, "step")]
+    else:
+        assert log == [(E, "start"), (E, "step"), (E, "step"), (E, "step"), (E, "step"),
+                       (O, "start"), (O, "step"), (O, "step")]
+    assert run["runners"][E]["status"] == "ok" and len(run["runners"][E]["samples_ms"]) == 3
+    assert run["runners"][O]["status"].startswith("error at decode step 1")
+    assert "ttft_s" in run["runners"][O]
+
+
 def test_run_e2e_keeps_one_model_when_the_other_fails(monkeypatch, tmp_path):
     def load(precision, work_dir, progress):
         if precision == "int4":
