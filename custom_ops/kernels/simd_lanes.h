@@ -21,7 +21,7 @@ namespace simd {
 // Per tile it is two small GEMMs with register-blocked micro-kernels: scores = K tile x Q^T
 // (lane_scores: 2 row vectors x 8 keys of accumulators at 32 registers, 2 x 4 at 16; the K tile
 // loaded or converted once per tile) and O += P x V tile (lane_pv: 8 consecutive rows x 2 output
-// vectors at 32 registers, 4 x 2 at 16; the probabilities broadcast from their lanes).
+// vectors at 32 registers, 6 x 2 at 16; the probabilities broadcast from their lanes).
 // Measured (tools/bench_lanes_kernel.py, MQA 32/1, head_dim 128, 4K keys, 1 thread, shared
 // Xeon, K/V in caches or from memory): 1.5-1.7x the compute floor at AVX2, 1.9-2.2x at AVX-512
 // (was 1.9-2.2x / 2.1-2.4x); the micro-kernels run at 70-90% of peak from L1 alone, ~65% in place.
@@ -204,11 +204,52 @@ OLEP_HOT void lane_pv(float* acc, int64_t Dv, const float* p, int64_t Rp, const 
     for (int u = 0; u < NU; ++u) V::store(acc + rr * Dv + u * W, o[rr][u]);
 }
 
-// Rows of a P.V register block and vectors per lane_pv call: 8 x 2 at 32 vector registers, 4 x 2
-// at 16 (measured from L1 on this Xeon: AVX-512 8 x 2 95 GFMA/s, 4 x 4 82; AVX2 4 x 2 52, 2 x 4 44).
+// Rows of a P.V register block and vectors per lane_pv call: 8 x 2 at 32 vector registers, 6 x 2
+// at 16 (12 accumulators, 2 V vectors, 1 broadcast). Measured from L1 on a Xeon: AVX-512 8 x 2
+// 95 GFMA/s, 4 x 4 82; AVX2 4 x 2 52, 2 x 4 44; on Zen 3 (AVX2, 32 KiB L1) 4 x 2 47, 6 x 2 45 from
+// L1, but in the kernel 6 x 2 reads each V tile from L2 a third fewer times (MQA 32/1 fp32/fp16/
+// bf16, 4K keys, tools/bench_lanes_kernel.py setting, alternating builds: 0.85-0.89x the median
+// time; prefill 512 rows 0.82-0.88x).
 template <class V>
 constexpr int lane_pv_block_rows() {
-  return V::W >= 16 ? 8 : 4;
+  return V::W >= 16 ? 8 : 6;
+}
+
+// Rows of a run of `len` consecutive rows that the next lane_pv_flush call takes: RB while
+// len >= RB, except that at RB = 6 a run that would leave a 2-row tail takes 4 (32 rows:
+// 4 + 6 + 6 + 6 + 6 + 4, 8 rows: 4 + 4), as a 2-row block reuses each V load half as often.
+template <int RB>
+constexpr int lane_pv_take(int64_t len) {
+  if (len < RB) return static_cast<int>(len);
+  return RB == 6 && len % RB == 2 ? 4 : RB;
+}
+
+// lane_pv_rows calls of one lane_pv_flush of nr <= RB rows (its blocks: RB, or 4, 2, 1).
+template <int RB>
+constexpr int64_t lane_pv_flush_calls(int nr) {
+  if (nr == RB) return 1;
+  int64_t calls = 0;
+  if (RB > 4 && nr >= 4) {
+    ++calls;
+    nr -= 4;
+  }
+  if (nr >= 2) {
+    ++calls;
+    nr -= 2;
+  }
+  return calls + (nr == 1);
+}
+
+// lane_pv_rows calls for a run of len consecutive rows (taken by lane_pv_take).
+template <int RB>
+constexpr int64_t lane_pv_run_calls(int64_t len) {
+  int64_t calls = 0;
+  while (len > 0) {
+    const int nr = lane_pv_take<RB>(len);
+    calls += lane_pv_flush_calls<RB>(nr);
+    len -= nr;
+  }
+  return calls;
 }
 constexpr int kLanePvVectors = 2;
 
@@ -333,13 +374,8 @@ void attend_lanes(const AttentionGroup& a, int64_t key_begin, int64_t key_end, A
   // call, then one per 8 keys per P.V call
   constexpr int NKS = lane_score_keys<V>();
   const int64_t dblocks = (D + kLaneScoreBlock - 1) / kLaneScoreBlock;
-  // lane_pv_flush calls lane_pv_rows once per RB rows of a run, then once per 4, 2, 1 of the rest;
-  // runs are all R rows when every row is valid, else `valid` rows per head.
-  auto flush_calls = [](int64_t rows) {
-    const int64_t rest = rows % RB;
-    return rows / RB + (RB > 4 && rest >= 4) + (rest % 4 >= 2) + (rest % 2);
-  };
-  const int64_t pv_calls = valid == S ? flush_calls(R) : G * flush_calls(valid);
+  // runs are all R rows when every row is valid, else `valid` rows per head
+  const int64_t pv_calls = valid == S ? lane_pv_run_calls<RB>(R) : G * lane_pv_run_calls<RB>(valid);
   const int64_t lane_steps = ((nblocks / 2) * (TK / NKS) + (nblocks % 2) * (TK / 8)) * dblocks +
                              pv_calls * lane_pv_passes<W>(Dv) * (TK / 8);
 
@@ -518,16 +554,19 @@ void attend_lanes(const AttentionGroup& a, int64_t key_begin, int64_t key_end, A
       V::store(corr + rb, c);
     }
 
-    // P.V: runs of up to RB consecutive rows (h * S + i) at a time, each V vector loaded once per
-    // run. Rows that see no key of the tile (prefill rows before it, outside their window) keep
-    // their accumulators.
-    auto flush = [&](int64_t r0, int nr) {
-      if (nr == 0) return;
-      if (all_seen) lane_pv_flush<V, false>(st->acc, r0, nr, Dv, vp, ptile, Rp, n, corr, &pf);
-      else lane_pv_flush<V, true>(st->acc, r0, nr, Dv, vp, ptile, Rp, n, corr, &pf);
+    // P.V: runs of consecutive rows (h * S + i) that see the tile, in blocks of up to RB rows
+    // (lane_pv_take), each V vector loaded once per block. Rows that see no key of the tile
+    // (prefill rows before it, outside their window) keep their accumulators.
+    auto flush = [&](int64_t r0, int64_t len) {
+      while (len > 0) {
+        const int nr = lane_pv_take<RB>(len);
+        if (all_seen) lane_pv_flush<V, false>(st->acc, r0, nr, Dv, vp, ptile, Rp, n, corr, &pf);
+        else lane_pv_flush<V, true>(st->acc, r0, nr, Dv, vp, ptile, Rp, n, corr, &pf);
+        r0 += nr;
+        len -= nr;
+      }
     };
-    int64_t r0 = 0;
-    int nr = 0;
+    int64_t r0 = 0, len = 0;
     for (int64_t r = 0; r < R; ++r) {
       const int64_t i = r % S;
       bool sees = i < valid;
@@ -537,18 +576,14 @@ void attend_lanes(const AttentionGroup& a, int64_t key_begin, int64_t key_end, A
         sees = std::max(j0, lo) < std::min(j0 + n, hi);
       }
       if (!sees) {
-        flush(r0, nr);
+        flush(r0, len);
         r0 = r + 1;
-        nr = 0;
+        len = 0;
         continue;
       }
-      if (++nr == RB) {
-        flush(r0, nr);
-        r0 += nr;
-        nr = 0;
-      }
+      ++len;
     }
-    flush(r0, nr);
+    flush(r0, len);
   }
   for (int64_t h = 0; h < G; ++h)
     for (int64_t i = 0; i < valid; ++i) {
