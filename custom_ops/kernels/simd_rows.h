@@ -126,8 +126,6 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
   // keys, kernel alone, tools/cpp/bench_paged_attention, alternating builds: fp16 0.76x and
   // bf16 0.84x the time per step; fp32 2.5% slower with it, so not there; 8 KiB ahead no better).
   const int64_t row_ahead = W == 8 && enc == KVEncoding::kNative && es == 2 ? 4096 : 0;
-  const int64_t k_row_bytes = D * static_cast<int64_t>(es);
-  const int64_t v_row_bytes = Dv * static_cast<int64_t>(es);
   TileCursor kc{a, kmin, kmax, W, es};  // the scores pass
   TileCursor vc{a, kmin, kmax, W, es};  // the softmax + P.V pass, over the same tiles
   int64_t scaled_blk = -1;              // kCodes: the block whose K scales q16 holds
@@ -149,7 +147,7 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
       // are prefetched (see row_ahead).
       pf.reset(nullptr, 0, nullptr, 0, 1);
       if (row_count >= 2) pf.reset_next(kc, D * es, Dv * es, tile_steps);
-      else if (row_ahead > 0) pf.reset(krows + row_ahead, kc.n * k_row_bytes, nullptr, 0, W);
+      else if (row_ahead > 0) pf.reset(krows + row_ahead, kc.n * D * es, nullptr, 0, W);
       if constexpr (kCodes4) {
         if (kc.blk != scaled_blk) {  // (ktile is free until the tile's K copy)
           codes_query_i4<V>(a, a.blocks[kc.blk], qf, q16, qsc, qbias, reinterpret_cast<int16_t*>(ktile));
@@ -395,7 +393,7 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
         }
         if (row_count == 1) {  // G = 1, one valid row: state row 0
           const int64_t row0[1] = {0};
-          if (row_ahead > 0) pf.reset(vc.vrows + row_ahead, n * v_row_bytes, nullptr, 0, n * pv_passes<W, 1>(Dv));
+          if (row_ahead > 0) pf.reset(vc.vrows + row_ahead, n * Dv * es, nullptr, 0, n * pv_passes<W, 1>(Dv));
           if (all_seen) pv_rows<V, KL, 1, false>(st->acc, row0, Dv, vp, ptile, 1, W, n, corr, &pf);
           else pv_rows<V, KL, 1, true>(st->acc, row0, Dv, vp, ptile, 1, W, n, corr, &pf);
           continue;  // (the last step of the tile)
