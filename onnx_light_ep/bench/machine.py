@@ -88,9 +88,18 @@ def read_bandwidth_gb_per_s(threads: int = 1, nbytes: int = 512 << 20, repeats: 
     return nbytes / best / 1e9
 
 
-# AMD family 0x19 / 0x1a and Intel family 6 server models -> microarchitecture (lscpu's
+# AMD families 0x17-0x1a and Intel family 6 server models -> microarchitecture (lscpu's
 # "CPU family" and "Model"; a hypervisor may hide the model name but passes these on).
-_AMD_FAMILIES = {23: "Zen 2", 26: "Zen 5"}
+# Family 0x17 spans three: models below 0x30 are Zen 1 (EPYC 7001 "Naples" is model 1) but
+# 0x08 and 0x18, Zen+; from 0x30 on, Zen 2 (EPYC 7002 "Rome" is model 0x31). Zen 1 and Zen+
+# execute 256-bit AVX2 as two 128-bit halves: half the FMA throughput of Zen 2 and later.
+_AMD_FAMILIES = {26: "Zen 5"}
+
+
+def _amd_family23(model: int) -> str:
+    if model >= 0x30:
+        return "Zen 2"
+    return "Zen+" if model in (0x08, 0x18) else "Zen 1"
 _INTEL_MODELS = {85: "Skylake-SP/Cascade Lake", 106: "Ice Lake-SP", 143: "Sapphire Rapids",
                  207: "Emerald Rapids", 173: "Granite Rapids"}
 
@@ -99,7 +108,8 @@ def machine_kind(ls: Optional[Dict[str, str]] = None, flags: Optional[set] = Non
     """Vendor, microarchitecture and widest vector ISA, e.g. ``AMD Zen 4 AVX-512``.
 
     ``ls``: lscpu fields (default: this machine's); ``flags``: its CPU flags (default: lscpu's).
-    AMD family 25 is Zen 3 without AVX-512 and Zen 4 with it; an Intel model not in the table is
+    AMD family 25 is Zen 3 without AVX-512 and Zen 4 with it; family 23 is Zen 1, Zen+ or Zen 2
+    by model number (``_amd_family23``); an Intel model not in the table is
     named by its family and model numbers (``Intel Xeon (family 6 model 167) AVX-512``).
     """
     ls = _lscpu() if ls is None else ls
@@ -111,7 +121,12 @@ def machine_kind(ls: Optional[Dict[str, str]] = None, flags: Optional[set] = Non
     except ValueError:
         family = model = None
     if vendor == "AuthenticAMD":
-        arch = ("Zen 4" if "avx512f" in flags else "Zen 3") if family == 25 else _AMD_FAMILIES.get(family)
+        if family == 25:
+            arch = "Zen 4" if "avx512f" in flags else "Zen 3"
+        elif family == 23 and model is not None:
+            arch = _amd_family23(model)
+        else:
+            arch = _AMD_FAMILIES.get(family)
         return f"AMD {arch or f'(family {family} model {model})'} {isa}"
     if vendor == "GenuineIntel":
         arch = _INTEL_MODELS.get(model) if family == 6 else None
