@@ -24,17 +24,20 @@ constexpr int kChunkKeys = 1024;
 // compute, a line per step() (into L2): a burst of prefetches at the start of a tile
 // fills the miss buffers and stalls the loads of the tile being computed.
 struct TilePrefetch {
-  const char* k = nullptr;
-  const char* v = nullptr;
-  int64_t k_bytes = 0, v_bytes = 0, done = 0, per_step = 64;
-  // Rows to fetch: k_bytes of K from next_k, v_bytes of V from next_v, over `steps` calls of step().
+  // Lines [p, pend) are fetched next, then [q, qend); addresses as integers (an empty range
+  // is 0, 0: no pointer arithmetic on null; pend = 0: nothing left).
+  uintptr_t p = 0, pend = 0, q = 0, qend = 0;
+  int64_t per_step = 64;  // bytes per step()
+  // Rows to fetch: kb bytes of K from next_k, vb bytes of V from next_v, over `steps` calls of step().
   void reset(const char* next_k, int64_t kb, const char* next_v, int64_t vb, int64_t steps) {
-    k = next_k;
-    v = next_v;
-    k_bytes = kb;
-    v_bytes = vb;
-    done = 0;
-    if (kb + vb == 0) {  // nothing to fetch (one query row): no division on the per-tile path
+    const uintptr_t k = kb > 0 ? reinterpret_cast<uintptr_t>(next_k) : 0;
+    const uintptr_t v = vb > 0 ? reinterpret_cast<uintptr_t>(next_v) : 0;
+    if (kb > 0) {
+      p = k, pend = k + static_cast<uintptr_t>(kb), q = v, qend = v + static_cast<uintptr_t>(vb > 0 ? vb : 0);
+    } else {
+      p = v, pend = v + static_cast<uintptr_t>(vb > 0 ? vb : 0), q = qend = 0;
+    }
+    if (kb + vb <= 0) {  // nothing to fetch (one query row): no division on the per-tile path
       per_step = 64;
       return;
     }
@@ -50,12 +53,20 @@ struct TilePrefetch {
     tc.peek(&nk, &nv, &rows);
     reset(nk, rows * k_row_bytes, nv, rows * v_row_bytes, steps);
   }
+  // The next per_step bytes of lines (K rows, then V rows), the same lines in the same order as
+  // a byte counter over K then V, in fewer instructions: no K-or-V test per line (GQA 32/8 fp32,
+  // AVX2, callgrind: 650 -> 590 instructions per key and kv head, the counter's step was 240 of
+  // them; Zen 1: 1-4% less time per step, alternating builds of tools/cpp/bench_paged_attention).
   void step() {
-    const int64_t end = std::min(done + per_step, k_bytes + v_bytes);
-    for (; done < end; done += 64) {
-      if (done < k_bytes) __builtin_prefetch(k + done, 0, 2);
-      else __builtin_prefetch(v + (done - k_bytes), 0, 2);
+    if (pend == 0) return;  // nothing left (a real range never ends at address 0)
+    uintptr_t e = p + static_cast<uintptr_t>(per_step);
+    if (e > pend) {  // this step crosses into the V rows
+      for (; p < pend; p += 64) __builtin_prefetch(reinterpret_cast<const void*>(p), 0, 2);
+      e = q + (e - pend);
+      p = q, pend = qend, q = qend = 0;
+      if (e > pend) e = pend;
     }
+    for (; p < e; p += 64) __builtin_prefetch(reinterpret_cast<const void*>(p), 0, 2);
   }
 };
 

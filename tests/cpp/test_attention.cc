@@ -10,6 +10,7 @@
 
 #include "check.h"
 #include "kernels/attention.h"
+#include "kernels/simd_tiles.h"
 
 using namespace olep;
 using namespace olep::kernels;
@@ -956,7 +957,43 @@ void isa_environment_values() {
   CHECK(choose_isa("avx512_bf16", Isa::kAvx512Bf16, &w) == Isa::kAvx512Bf16 && w.empty());
 }
 
+// TilePrefetch (simd_tiles.h): step() walks the K rows then the V rows, per_step bytes per call
+// across the K -> V boundary, and has fetched everything after `steps` calls (here rows of 64-byte
+// multiples: after c calls exactly min(c * per_step, kb + vb) bytes, K first).
+void test_tile_prefetch() {
+  static char pool[1 << 16];
+  std::mt19937 rng(7);
+  for (int it = 0; it < 2000; ++it) {
+    const int64_t kb = 64 * static_cast<int64_t>(rng() % 40), vb = 64 * static_cast<int64_t>(rng() % 40);
+    const int64_t steps = 1 + static_cast<int64_t>(rng() % 50);
+    const char* k = pool + 64;
+    const char* v = pool + 32768;
+    kernels::simd::TilePrefetch pf;
+    pf.reset(k, kb, v, vb, steps);
+    auto fetched = [&]() -> int64_t {
+      const uintptr_t p = pf.p, ku = reinterpret_cast<uintptr_t>(k), vu = reinterpret_cast<uintptr_t>(v);
+      if (pf.pend == 0) return kb + vb;
+      if (kb > 0 && p >= ku && p <= ku + static_cast<uintptr_t>(kb) && pf.pend == ku + static_cast<uintptr_t>(kb))
+        return static_cast<int64_t>(p - ku);
+      return kb + static_cast<int64_t>(p - vu);
+    };
+    for (int64_t c = 1; c <= steps + 3; ++c) {
+      pf.step();
+      const int64_t want = std::min(c * pf.per_step, kb + vb);
+      if (fetched() != want) {
+        std::fprintf(stderr, "TilePrefetch kb=%lld vb=%lld steps=%lld call %lld: fetched %lld, expected %lld\n",
+                     static_cast<long long>(kb), static_cast<long long>(vb), static_cast<long long>(steps),
+                     static_cast<long long>(c), static_cast<long long>(fetched()), static_cast<long long>(want));
+        CHECK(false);
+        break;
+      }
+    }
+    CHECK(pf.pend == 0);  // all of K and V within the `steps` calls
+  }
+}
+
 int main() {
+  test_tile_prefetch();
   isa_environment_values();
   for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Bf16}) {
     if (static_cast<int>(isa) > static_cast<int>(detected_isa())) {
