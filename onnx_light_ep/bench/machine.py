@@ -94,14 +94,15 @@ def read_bandwidth_gb_per_s(threads: int = 1, nbytes: int = 512 << 20, repeats: 
 # 0x08 and 0x18, Zen+; from 0x30 on, Zen 2 (EPYC 7002 "Rome" is model 0x31). Zen 1 and Zen+
 # execute 256-bit AVX2 as two 128-bit halves: half the FMA throughput of Zen 2 and later.
 _AMD_FAMILIES = {26: "Zen 5"}
+_INTEL_MODELS = {85: "Skylake-SP/Cascade Lake", 106: "Ice Lake-SP", 143: "Sapphire Rapids",
+                 207: "Emerald Rapids", 173: "Granite Rapids"}
 
 
 def _amd_family23(model: int) -> str:
+    """AMD family 0x17's microarchitecture from its model number (see above)."""
     if model >= 0x30:
         return "Zen 2"
     return "Zen+" if model in (0x08, 0x18) else "Zen 1"
-_INTEL_MODELS = {85: "Skylake-SP/Cascade Lake", 106: "Ice Lake-SP", 143: "Sapphire Rapids",
-                 207: "Emerald Rapids", 173: "Granite Rapids"}
 
 
 def machine_kind(ls: Optional[Dict[str, str]] = None, flags: Optional[set] = None) -> str:
