@@ -30,13 +30,10 @@ struct TilePrefetch {
   int64_t per_step = 64;  // bytes per step()
   // Rows to fetch: kb bytes of K from next_k, vb bytes of V from next_v, over `steps` calls of step().
   void reset(const char* next_k, int64_t kb, const char* next_v, int64_t vb, int64_t steps) {
-    const uintptr_t k = kb > 0 ? reinterpret_cast<uintptr_t>(next_k) : 0;
-    const uintptr_t v = vb > 0 ? reinterpret_cast<uintptr_t>(next_v) : 0;
-    if (kb > 0) {
-      p = k, pend = k + static_cast<uintptr_t>(kb), q = v, qend = v + static_cast<uintptr_t>(vb > 0 ? vb : 0);
-    } else {
-      p = v, pend = v + static_cast<uintptr_t>(vb > 0 ? vb : 0), q = qend = 0;
-    }
+    const uintptr_t kn = kb > 0 ? static_cast<uintptr_t>(kb) : 0, vn = vb > 0 ? static_cast<uintptr_t>(vb) : 0;
+    const uintptr_t k = kn ? reinterpret_cast<uintptr_t>(next_k) : 0, v = vn ? reinterpret_cast<uintptr_t>(next_v) : 0;
+    if (kn) p = k, pend = k + kn, q = v, qend = v + vn;
+    else p = v, pend = v + vn, q = qend = 0;
     if (kb + vb <= 0) {  // nothing to fetch (one query row): no division on the per-tile path
       per_step = 64;
       return;
