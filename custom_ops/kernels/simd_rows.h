@@ -126,6 +126,17 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
   // keys, kernel alone, tools/cpp/bench_paged_attention, alternating builds: fp16 0.76x and
   // bf16 0.84x the time per step; fp32 2.5% slower with it, so not there; 8 KiB ahead no better).
   const int64_t row_ahead = W == 8 && enc == KVEncoding::kNative && es == 2 ? 4096 : 0;
+  // One query row over int8 / int4 pages: software prefetch one block (page) ahead, spread over
+  // the current page's chunk. Each page is a new stream for the hardware prefetchers, and a
+  // code page is short (int8: 64 KiB + scales at 256 tokens, D = 128; int4: half) against their
+  // retraining, while its compute per byte is 1.4x (int8) to 3.4x (int4) fp16's: without it,
+  // the time was about the read time plus the compute time. Zen 4, MHA 32 heads, 8K keys,
+  // 256-token pages (tools/cpp/bench_quant_attention, alternating builds), time / own read time:
+  // int8 1.78-1.85 -> 1.57-1.59, int4 3.55-3.75 -> 2.74-2.88 at AVX-512; int8 3.0-3.5 -> 2.2-2.3,
+  // int4 5.4-5.8 -> 4.6 at AVX2 (forced). Spread over half the steps (int8 2.0-2.2) or over
+  // twice as many (int8 1.68-1.70) measured worse; for native pages it measured slower at
+  // AVX-512 (fp16 / bf16 MHA 16K: 13-15 -> 16-18 ms), as the earlier tile-ahead prefetch did.
+  constexpr bool kBlockAhead = kCodes;
   TileCursor kc{a, kmin, kmax, W, es};  // the scores pass
   TileCursor vc{a, kmin, kmax, W, es};  // the softmax + P.V pass, over the same tiles
   int64_t scaled_blk = -1;              // kCodes: the block whose K scales q16 holds
@@ -134,6 +145,7 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
     const int64_t chunk_block = kc.blk;
     // (R == 1: the chunk's scores are laid out [tiles, R, W]; scratch_floats sizes them for one row)
     const int chunk_tiles = R == 1 && row_count == 1 && a.blocks[chunk_block].num_rows <= kChunkKeys ? kChunkKeys / W : 1;
+    const bool block_ahead = kBlockAhead && chunk_tiles > 1;
     int tiles = 0;
     for (; more && tiles < chunk_tiles && kc.blk == chunk_block; more = kc.next(), ++tiles) {
       const int64_t n = kc.n;
@@ -145,9 +157,22 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
       // One row (MHA) walks K sequentially: at AVX-512 the hardware prefetchers keep up
       // (software prefetch measured slower on Zen 4); at AVX2 16-bit rows row_ahead bytes ahead
       // are prefetched (see row_ahead).
-      pf.reset(nullptr, 0, nullptr, 0, 1);
-      if (row_count >= 2) pf.reset_next(kc, D * es, Dv * es, tile_steps);
-      else if (row_ahead > 0) pf.reset(krows + row_ahead, kc.n * D * es, nullptr, 0, W);
+      if (block_ahead) {
+        // One row over code pages: the next block's K rows, V row pairs and scales, spread over
+        // this chunk's steps (the score loop's W per tile, the deferred P.V's one per row pair
+        // and block call), so the next page streams in while this one is computed.
+        if (tiles == 0) {
+          const char *nk, *nv;
+          int64_t nkb, nvb;
+          kc.next_block_bytes(&nk, &nkb, &nv, &nvb);
+          const int64_t rows = kc.end - kc.j0;
+          pf.reset(nk, nkb, nv, nvb, rows + W + rows / 2 + 1);
+        }
+      } else {
+        pf.reset(nullptr, 0, nullptr, 0, 1);
+        if (row_count >= 2) pf.reset_next(kc, D * es, Dv * es, tile_steps);
+        else if (row_ahead > 0) pf.reset(krows + row_ahead, kc.n * D * es, nullptr, 0, W);
+      }
       if constexpr (kCodes4) {
         if (kc.blk != scaled_blk) {  // (ktile is free until the tile's K copy)
           codes_query_i4<V>(a, a.blocks[kc.blk], qf, q16, qsc, qbias, reinterpret_cast<int16_t*>(ktile));

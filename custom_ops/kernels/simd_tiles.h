@@ -133,6 +133,40 @@ struct TileCursor {
       *par = pr & 1;
     }
   }
+  // The bytes of the block after the current one that the range reads, for a prefetch one
+  // block ahead: its K rows (*k, *kb bytes) and its V rows (*v, *vb bytes; quantized blocks:
+  // the V row pairs, extended over the page's scales and minimums when they follow the V codes
+  // in the same page, as the cache lays them out: kvcache/quantize.h). *kb = *vb = 0 when there
+  // is no next block in range.
+  void next_block_bytes(const char** k, int64_t* kb, const char** v, int64_t* vb) const {
+    *k = *v = nullptr;
+    *kb = *vb = 0;
+    if (blk + 1 >= a.num_blocks) return;
+    const KVBlock& b = a.blocks[blk + 1];
+    const int64_t s = std::max(kmin, b.first_position), e = std::min(kmax, b.first_position + b.num_rows);
+    if (s >= e) return;
+    int64_t par = 0;
+    rows_of(b, s, k, v, &par);
+    const int64_t rows = e - s;
+    if (b.encoding == KVEncoding::kNative) {
+      *kb = rows * a.head_dim * static_cast<int64_t>(es);
+      *vb = rows * a.v_head_dim * static_cast<int64_t>(es);
+      return;
+    }
+    const bool int4 = b.encoding == KVEncoding::kInt4;
+    const int64_t pairs = (par + rows + 1) / 2;
+    *kb = rows * (int4 ? a.head_dim / 2 : a.head_dim);
+    *vb = pairs * (int4 ? a.v_head_dim : 2 * a.v_head_dim);
+    // the page's metadata after its V codes: up to the last scale (int4: minimum) of these rows
+    const float* last = (int4 ? b.value_min : b.value_scale);
+    if (last == nullptr) return;
+    const uintptr_t vbeg = reinterpret_cast<uintptr_t>(*v);
+    const uintptr_t mend = reinterpret_cast<uintptr_t>(last + b.page_row + (e - b.first_position));
+    const uintptr_t vend = vbeg + static_cast<uintptr_t>(*vb);
+    // (metadata elsewhere, as a test's hand-made block may have it: V codes only)
+    const uintptr_t meta = static_cast<uintptr_t>(8 * (a.head_dim + b.page_row + b.num_rows) + 64);
+    if (mend > vend && mend - vend <= meta) *vb = static_cast<int64_t>(mend - vbeg);
+  }
   // Rows of the tile after the current one, crossing into the next block: K at *k, V at *v,
   // *count keys (0 at the end of the range).
   void peek(const char** k, const char** v, int64_t* count) const {

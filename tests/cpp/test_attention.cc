@@ -992,8 +992,83 @@ void test_tile_prefetch() {
   }
 }
 
+// TileCursor::next_block_bytes (simd_tiles.h): the bytes of the next block in range that the
+// one-row code path prefetches while it computes the current one. Pages laid out as the cache
+// lays them out (kvcache/quantize.h): int8 K [P, D], V pairs [P / 2, Dv, 2], K scales [D], V
+// scales [P]; int4 K [P, D / 2], V pairs [P / 2, Dv], K scales, V scales, K minimums, V minimums.
+void test_next_block_bytes() {
+  constexpr int64_t P = 256, D = 128, Dv = 128;
+  const int64_t i8_page = P * (D + Dv) + 4 * (D + P), i4_page = P * (D + Dv) / 2 + 8 * (D + P);
+  std::vector<char> mem(static_cast<size_t>(4 * i8_page + 4096));
+  char* base = mem.data();
+  auto i8_block = [&](char* pg, int64_t first, int64_t page_row, int64_t rows) {
+    KVBlock b{pg, pg + P * D, first, rows, KVEncoding::kInt8};
+    b.key_scale = reinterpret_cast<const float*>(pg + P * (D + Dv));
+    b.value_scale = b.key_scale + D;
+    b.page_row = page_row;
+    return b;
+  };
+  auto i4_block = [&](char* pg, int64_t first, int64_t page_row, int64_t rows) {
+    KVBlock b{pg, pg + P * D / 2, first, rows, KVEncoding::kInt4};
+    b.key_scale = reinterpret_cast<const float*>(pg + P * (D + Dv) / 2);
+    b.value_scale = b.key_scale + D;
+    b.key_min = b.value_scale + P;
+    b.value_min = b.key_min + D;
+    b.page_row = page_row;
+    return b;
+  };
+  auto check = [&](const std::vector<KVBlock>& blocks, int64_t kmin, int64_t kmax, const char* k, int64_t kb,
+                   const char* v, int64_t vb) {
+    AttentionGroup a;
+    a.blocks = blocks.data();
+    a.num_blocks = static_cast<int64_t>(blocks.size());
+    a.head_dim = D;
+    a.v_head_dim = Dv;
+    a.num_keys = kmax;
+    kernels::simd::TileCursor tc{a, kmin, kmax, 16, 1};
+    CHECK(tc.next());
+    const char *gk, *gv;
+    int64_t gkb, gvb;
+    tc.next_block_bytes(&gk, &gkb, &gv, &gvb);
+    if (gkb != kb || gvb != vb || (kb > 0 && gk != k) || (vb > 0 && gv != v)) {
+      std::fprintf(stderr, "next_block_bytes: K %lld bytes at %+lld, V %lld at %+lld; expected %lld at %+lld, %lld at %+lld\n",
+                   static_cast<long long>(gkb), static_cast<long long>(gk ? gk - base : -1), static_cast<long long>(gvb),
+                   static_cast<long long>(gv ? gv - base : -1), static_cast<long long>(kb),
+                   static_cast<long long>(k ? k - base : -1), static_cast<long long>(vb),
+                   static_cast<long long>(v ? v - base : -1));
+      CHECK(false);
+    }
+  };
+  char* p0 = base;
+  char* p1 = base + i8_page;
+  // a full int8 page next: its K codes, then its V codes through its last V scale
+  check({i8_block(p0, 0, 0, P), i8_block(p1, P, 0, P)}, 0, 2 * P, p1, P * D, p1 + P * D, P * Dv + 4 * (D + P));
+  // the range ends 100 rows into it: those rows' K and V pairs (the scales lie past the unread V pairs)
+  check({i8_block(p0, 0, 0, P), i8_block(p1, P, 0, P)}, 0, P + 100, p1, 100 * D, p1 + P * D, 50 * 2 * Dv);
+  // a truncated page starting at page row 1: the pair holding it, K from row 1
+  check({i8_block(p0, 0, 0, P), i8_block(p1, P, 1, P - 1)}, 0, 2 * P - 1, p1 + D, (P - 1) * D, p1 + P * D,
+        P * Dv + 4 * (D + P));
+  // int4: half the bytes per row, metadata through the last V minimum
+  char* q1 = base + i4_page;
+  check({i4_block(base, 0, 0, P), i4_block(q1, P, 0, P)}, 0, 2 * P, q1, P * D / 2, q1 + P * D / 2,
+        P * Dv / 2 + 8 * (D + P));
+  // a native block next (fp16: es = 2 is the cursor's, here 1: rows * D * es bytes each)
+  KVBlock nat{p1, p1 + P * D, P, 64};
+  check({i8_block(p0, 0, 0, P), nat}, 0, P + 64, p1, 64 * D, p1 + P * D, 64 * Dv);
+  // scales in another allocation (a hand-made block): the V codes only
+  KVBlock far = i8_block(p1, P, 0, P);
+  std::vector<float> scales(static_cast<size_t>(D + P));
+  far.key_scale = scales.data();
+  far.value_scale = scales.data() + D;
+  check({i8_block(p0, 0, 0, P), far}, 0, 2 * P, p1, P * D, p1 + P * D, P * Dv);
+  // no next block, or one outside the range: nothing
+  check({i8_block(p0, 0, 0, P)}, 0, P, nullptr, 0, nullptr, 0);
+  check({i8_block(p0, 0, 0, P), i8_block(p1, P, 0, P)}, 0, P, nullptr, 0, nullptr, 0);
+}
+
 int main() {
   test_tile_prefetch();
+  test_next_block_bytes();
   isa_environment_values();
   for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Bf16}) {
     if (static_cast<int>(isa) > static_cast<int>(detected_isa())) {
