@@ -154,7 +154,7 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
       // Software prefetch of the next tile, spread over this tile's loops, when several rows
       // share the KV head: their compute is long enough that the hardware prefetchers alone
       // leave DRAM idle for part of each tile (GQA 32/8 fp32: 1.8x -> 1.07x the read limit).
-      // One row (MHA) walks K sequentially: at AVX-512 the hardware prefetchers keep up
+      // One row (MHA) on native pages walks K sequentially: at AVX-512 the hardware prefetchers keep up
       // (software prefetch measured slower on Zen 4); at AVX2 16-bit rows row_ahead bytes ahead
       // are prefetched (see row_ahead).
       if (block_ahead) {

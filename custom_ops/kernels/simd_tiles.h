@@ -141,10 +141,9 @@ struct TileCursor {
   void next_block_bytes(const char** k, int64_t* kb, const char** v, int64_t* vb) const {
     *k = *v = nullptr;
     *kb = *vb = 0;
-    if (blk + 1 >= a.num_blocks) return;
-    const KVBlock& b = a.blocks[blk + 1];
-    const int64_t s = std::max(kmin, b.first_position), e = std::min(kmax, b.first_position + b.num_rows);
-    if (s >= e) return;
+    int64_t nb = blk, s = 0, c = 0, e = 0;  // s >= e: locate takes the next block in range
+    if (!locate(&nb, &s, &c, &e)) return;
+    const KVBlock& b = a.blocks[nb];
     int64_t par = 0;
     rows_of(b, s, k, v, &par);
     const int64_t rows = e - s;
