@@ -26,6 +26,12 @@
 // simd_pv.h (P.V), simd_rows.h (row path; its score loops in simd_row_scores.h, its int8 /
 // int4 code pieces in simd_row_codes.h), simd_lanes.h (lanes path); this header picks the
 // path per call.
+//
+// Everything in these headers sits in an unnamed namespace inside olep::kernels::simd: each
+// ISA translation unit keeps its own copy of every function, compiled with its own flags. With
+// external linkage, an out-of-line inline function (TilePrefetch::step and TileCursor::next
+// were weak symbols of libonnx_light.so) is one copy for all levels, whichever translation unit
+// the linker kept: an AVX-512 copy of it would run on an AVX2-only CPU.
 #pragma once
 
 #include "kernels/simd_lanes.h"
@@ -34,6 +40,7 @@
 namespace olep {
 namespace kernels {
 namespace simd {
+namespace {  // internal linkage: each ISA translation unit its own copy (attention_simd.h)
 
 // Group rows (query heads sharing the kv head x query rows) from which converting a
 // float16/bfloat16 tile once beats converting on every load (measured on Zen 4, D=128:
@@ -117,6 +124,7 @@ void attend_range(const AttentionGroup& a, int64_t key_begin, int64_t key_end, A
   }
 }
 
+}  // namespace
 }  // namespace simd
 }  // namespace kernels
 }  // namespace olep

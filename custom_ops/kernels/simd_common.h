@@ -15,6 +15,7 @@
 namespace olep {
 namespace kernels {
 namespace simd {
+namespace {  // internal linkage: each ISA translation unit its own copy (attention_simd.h)
 
 // The hot helpers below must inline into the tile loops (GCC otherwise outlines some of
 // them once the kernels grow, costing a call and register spills per tile).
@@ -210,6 +211,7 @@ struct Bf16Dot {
 // probability is >= +0.0f (exp may underflow to +0).
 constexpr float kUnseen = -0.0f;
 
+}  // namespace
 }  // namespace simd
 }  // namespace kernels
 }  // namespace olep

@@ -6,6 +6,7 @@
 namespace olep {
 namespace kernels {
 namespace simd {
+namespace {  // internal linkage: each ISA translation unit its own copy (attention_simd.h)
 
 // ---------------------------------------------------------------------------------
 // Query rows in lanes: the path for groups at least one vector wide (MQA, GQA with
@@ -593,6 +594,7 @@ void attend_lanes(const AttentionGroup& a, int64_t key_begin, int64_t key_end, A
     }
 }
 
+}  // namespace
 }  // namespace simd
 }  // namespace kernels
 }  // namespace olep

@@ -7,6 +7,7 @@
 namespace olep {
 namespace kernels {
 namespace simd {
+namespace {  // internal linkage: each ISA translation unit its own copy (attention_simd.h)
 
 // RB output rows x NU vectors of Dv: o = o * c[row] + sum_t p(t, row) * v[t], with
 // p(t, row) = ptile[t * p_tstride + row * p_rstride]. Each V vector is loaded (and
@@ -177,6 +178,7 @@ OLEP_HOT void pv_rows_i16(float* const* acc, const int16_t* const* words, const 
   }
 }
 
+}  // namespace
 }  // namespace simd
 }  // namespace kernels
 }  // namespace olep

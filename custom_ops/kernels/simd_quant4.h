@@ -16,6 +16,7 @@
 namespace olep {
 namespace kernels {
 namespace simd {
+namespace {  // internal linkage: each ISA translation unit its own copy (attention_simd.h)
 
 // Channel of lane L (0 <= L < 2 * W) of the low (high = false) or high unpacked half of the K
 // load covering chunk c (channels 4 W c .. 4 W c + 4 W - 1).
@@ -173,6 +174,7 @@ OLEP_HOT void pv_rows_i4(float* const* acc, const int16_t* const* words, const f
   for (; l < loads; ++l) pv_block_i4<V, RB, 1>(acc, words, wscale, wpre, corr, vbias, pairs, Dv, l, npairs, pf);
 }
 
+}  // namespace
 }  // namespace simd
 }  // namespace kernels
 }  // namespace olep

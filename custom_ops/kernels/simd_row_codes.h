@@ -8,6 +8,7 @@
 namespace olep {
 namespace kernels {
 namespace simd {
+namespace {  // internal linkage: each ISA translation unit its own copy (attention_simd.h)
 
 // A row's P.V weights of one tile (ptile: W lanes, >= 0 or -0 for unseen keys, lanes past the
 // tile's keys unseen) in 16-bit fixed point, laid out as the V row pairs: w[par + t] = weight of
@@ -138,6 +139,7 @@ OLEP_HOT void pv_codes_tile(const AttentionGroup& a, const float* ptile, const f
   if (k < nrows) pv_rows_i16<V, 1>(accp + k, wp + k, wscale + k, wpre + k, cs + k, pairs, Dv, npairs, pf);
 }
 
+}  // namespace
 }  // namespace simd
 }  // namespace kernels
 }  // namespace olep

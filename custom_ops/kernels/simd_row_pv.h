@@ -8,6 +8,7 @@
 namespace olep {
 namespace kernels {
 namespace simd {
+namespace {  // internal linkage: each ISA translation unit its own copy (attention_simd.h)
 
 // RB output rows x NU vectors of Dv: o = o * corr[rr] + sum_t p[rr][t] * v[t] over the tile's
 // n <= W keys (v: row t at v + t * v_stride; p[rr]: the row's W probabilities, kUnseen for keys
@@ -126,6 +127,7 @@ constexpr int64_t pv_tile_steps(int64_t Dv) {
   return calls * (1 + W / kPvStepKeys);
 }
 
+}  // namespace
 }  // namespace simd
 }  // namespace kernels
 }  // namespace olep

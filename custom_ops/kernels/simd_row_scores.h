@@ -8,6 +8,7 @@
 namespace olep {
 namespace kernels {
 namespace simd {
+namespace {  // internal linkage: each ISA translation unit its own copy (attention_simd.h)
 
 // Score-loop iterations (of E = Dot::kStep elements) between two TilePrefetch steps in
 // scores_rows: one step per 2 W elements (a step per iteration cost ~3 instructions per FMA;
@@ -110,6 +111,7 @@ OLEP_HOT void scores_row_walk(const typename Dot::qelem* q, int64_t D, const typ
   else scores_row_walk_d<V, Dot, 0>(q, D, kp, out, pf);
 }
 
+}  // namespace
 }  // namespace simd
 }  // namespace kernels
 }  // namespace olep

@@ -9,6 +9,7 @@
 namespace olep {
 namespace kernels {
 namespace simd {
+namespace {  // internal linkage: each ISA translation unit its own copy (attention_simd.h)
 
 // L: how K/V storage is read; kTiles: convert each K/V tile to float once (shared by
 // every query row of the group) instead of converting on every load. enc: the encoding of
@@ -474,6 +475,7 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
     }
 }
 
+}  // namespace
 }  // namespace simd
 }  // namespace kernels
 }  // namespace olep

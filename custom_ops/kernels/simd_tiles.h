@@ -11,6 +11,7 @@
 namespace olep {
 namespace kernels {
 namespace simd {
+namespace {  // internal linkage: each ISA translation unit its own copy (attention_simd.h)
 
 // Keys per tile of the lanes path (32: halves the per-tile accumulator load/rescale/store
 // against 16, measured 5-7% faster for MQA; scratch_floats in attention_common.cc sizes for it).
@@ -180,6 +181,7 @@ struct TileCursor {
   }
 };
 
+}  // namespace
 }  // namespace simd
 }  // namespace kernels
 }  // namespace olep
