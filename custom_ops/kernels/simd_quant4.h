@@ -27,12 +27,14 @@ constexpr int64_t int4_q_channel(int64_t c, int64_t L, bool high) {
 
 // q16 in natural channel order -> the order int4 K loads unpack to: per chunk c, 2 * W lanes for
 // the low nibbles then 2 * W for the high ones. D is a multiple of 4 * W.
+// (Lanes 16 k .. 16 k + 15 of a half are 16 consecutive channels: copied as runs.)
 template <int W>
 inline void int4_permute_q(const int16_t* q16, int64_t D, int16_t* out) {
+  static_assert((2 * W) % 16 == 0, "a half holds whole runs of 16 lanes");
   for (int64_t c = 0; c < D / (4 * W); ++c)
-    for (int64_t L = 0; L < 2 * W; ++L) {
-      out[4 * W * c + L] = q16[int4_q_channel<W>(c, L, false)];
-      out[4 * W * c + 2 * W + L] = q16[int4_q_channel<W>(c, L, true)];
+    for (int64_t L = 0; L < 2 * W; L += 16) {
+      std::memcpy(out + 4 * W * c + L, q16 + int4_q_channel<W>(c, L, false), 16 * sizeof(int16_t));
+      std::memcpy(out + 4 * W * c + 2 * W + L, q16 + int4_q_channel<W>(c, L, true), 16 * sizeof(int16_t));
     }
 }
 

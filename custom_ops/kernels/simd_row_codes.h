@@ -32,50 +32,66 @@ OLEP_HOT void round_weights(const float* ptile, int64_t par, int16_t* w, float* 
 // weight buffers are sized for them; attend_run sends more rows to the tiled path).
 constexpr int kCodesMaxRows = 15;
 
+// One row of q (`q`, scaled) in 16-bit fixed point against a page's K scales `ks`: x_d = q_d *
+// ks_d, q16 = round(x * qmax / max |x|) (detail::int8_query's float32 operations, element for
+// element, so every level gets the same q16 and scale); returns the scale m / qmax. `t` holds D
+// floats of scratch; D a multiple of W.
+template <class V>
+OLEP_HOT float fixed_query_row(const float* q, const float* ks, int64_t D, int16_t* q16, float* t) {
+  using vf = typename V::vf;
+  constexpr int W = V::W;
+  const float qmax = detail::int8_query_max(D);
+  vf mx = V::zero();
+  for (int64_t d = 0; d < D; d += W) {
+    const vf x = V::mul(V::load(q + d), V::load(ks + d));
+    V::store(t + d, x);
+    mx = V::max(mx, V::abs(x));
+  }
+  float m = V::reduce_max(mx);
+  // (a tiny max is first scaled up by 2^100, exactly, so qmax / m stays finite)
+  const float pre = m < 0x1p-100f ? 0x1p100f : 1.0f;
+  m *= pre;
+  const float inv = m > 0.0f ? qmax / m : 0.0f;
+  for (int64_t d = 0; d < D; d += W) V::round_i16(q16 + d, V::mul(V::mul(V::load(t + d), V::set1(pre)), V::set1(inv)));
+  return m / qmax / pre;
+}
+
 // int8 K codes read as codes: row r of q (qf, scaled) times the block's K scales `ks`, rounded
-// to int16 relative to its largest element (q16 [R, D], qsc[r] = its scale), for the rows
-// (h, i) of the group; `t` holds D floats of scratch. int32 sums of D products of
+// to int16 relative to its largest element (q16 [R, D], qsc[r] = its scale; fixed_query_row),
+// for the rows (h, i) of the group; `t` holds D floats of scratch. int32 sums of D products of
 // |q16| <= qmax and |code| <= 127 stay below 2^31.
 template <class V>
 OLEP_HOT void codes_query_i8(const AttentionGroup& a, const float* ks, const float* qf, int16_t* q16, float* qsc,
                              float* t) {
-  using vf = typename V::vf;
-  constexpr int W = V::W;
   const int64_t G = a.group_size, S = a.num_rows, D = a.head_dim, valid = std::min(a.num_valid_rows, S);
-  const float qmax = detail::int8_query_max(D);  // the operations of detail::int8_query
   for (int64_t h = 0; h < G; ++h)
     for (int64_t i = 0; i < valid; ++i) {
       const int64_t r = h * S + i;
-      vf mx = V::zero();
-      for (int64_t d = 0; d < D; d += W) {
-        const vf x = V::mul(V::load(qf + r * D + d), V::load(ks + d));
-        V::store(t + d, x);
-        mx = V::max(mx, V::abs(x));
-      }
-      float m = V::reduce_max(mx);
-      // (a tiny max is first scaled up by 2^100, exactly, so qmax / m stays finite)
-      const float pre = m < 0x1p-100f ? 0x1p100f : 1.0f;
-      m *= pre;
-      const float inv = m > 0.0f ? qmax / m : 0.0f;
-      for (int64_t d = 0; d < D; d += W)
-        V::round_i16(q16 + r * D + d, V::mul(V::mul(V::load(t + d), V::set1(pre)), V::set1(inv)));
-      qsc[r] = m / qmax / pre;
+      qsc[r] = fixed_query_row<V>(qf + r * D, ks, D, q16 + r * D, t);
     }
 }
 
-// int4 K codes read as codes: as codes_query_i8 (detail::int8_query), q16 permuted to the
-// unpacked K order (int4_permute_q), plus qbias[r] = sum_d q * scale * key_min. `t`: D int16.
+// int4 K codes read as codes: as codes_query_i8 (fixed_query_row), q16 permuted to the
+// unpacked K order (int4_permute_q), plus qbias[r] = sum_d q * scale * key_min (float32, summed
+// in W lanes then across them). `t`: 1.5 D floats of scratch. (Done once per row and page: in
+// scalar code, int8_query and the serial float sum took ~1500 cycles per row and 256-key page,
+// ~6 cycles per key for one query row, a quarter of the int4 one-row step.)
 template <class V>
 OLEP_HOT void codes_query_i4(const AttentionGroup& a, const KVBlock& kb, const float* qf, int16_t* q16, float* qsc,
-                             float* qbias, int16_t* t) {
+                             float* qbias, float* t) {
+  using vf = typename V::vf;
   constexpr int W = V::W;
   const int64_t G = a.group_size, S = a.num_rows, D = a.head_dim, valid = std::min(a.num_valid_rows, S);
+  int16_t* natural = reinterpret_cast<int16_t*>(t + D);  // q16 in channel order
   for (int64_t h = 0; h < G; ++h)
     for (int64_t i = 0; i < valid; ++i) {
       const int64_t r = h * S + i;
-      qsc[r] = detail::int8_query(qf + r * D, kb.key_scale, D, t);
-      int4_permute_q<W>(t, D, q16 + r * D);
-      qbias[r] = detail::int4_bias(qf + r * D, kb.key_min, D);
+      const float* q = qf + r * D;
+      qsc[r] = fixed_query_row<V>(q, kb.key_scale, D, natural, t);
+      int4_permute_q<W>(natural, D, q16 + r * D);
+      vf b = V::zero();
+      for (int64_t d = 0; d < D; d += W) b = V::fma(V::load(q + d), V::load(kb.key_min + d), b);
+      qbias[r] = V::reduce_add(b);
     }
 }
 

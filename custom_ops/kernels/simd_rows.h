@@ -176,7 +176,7 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
       }
       if constexpr (kCodes4) {
         if (kc.blk != scaled_blk) {  // (ktile is free until the tile's K copy)
-          codes_query_i4<V>(a, a.blocks[kc.blk], qf, q16, qsc, qbias, reinterpret_cast<int16_t*>(ktile));
+          codes_query_i4<V>(a, a.blocks[kc.blk], qf, q16, qsc, qbias, ktile);
           scaled_blk = kc.blk;
         }
       } else if constexpr (kCodes) {
