@@ -23,6 +23,21 @@ struct Avx512 {
   static vf load_i8(const int8_t* p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   }
+  // W int16 as float
+  static vf load_i16(const int16_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+  }
+  // int4 codes (kv_block.h) as float: the low (high = false) or high nibbles of W bytes ...
+  static vf nibbles(const uint8_t* p, bool high) {
+    const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srl_epi32(x, _mm_cvtsi32_si128(high ? 4 : 0)), _mm512_set1_epi32(15)));
+  }
+  // ... or of byte 2 i + odd of W byte pairs (2 W bytes: int4 V row pairs)
+  static vf pair_nibbles(const uint8_t* p, bool odd, bool high) {
+    const __m512i x = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    const int shift = (odd ? 8 : 0) + (high ? 4 : 0);
+    return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srl_epi32(x, _mm_cvtsi32_si128(shift)), _mm512_set1_epi32(15)));
+  }
   static vf load_f16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
   static vf load_bf16(const uint16_t* p) {
     const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));

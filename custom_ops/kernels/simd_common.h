@@ -77,12 +77,25 @@ inline void convert_k_tile(const AttentionGroup& a, const Cursor& c, int64_t n, 
                            bool codes = false) {
   const KVBlock& b = a.blocks[c.blk];
   if (b.encoding == KVEncoding::kInt4) {  // codes, or min + code * scale
+    constexpr int W = V::W;
+    static_assert(16 % W == 0, "W channels of a K row are the low or high nibbles of W consecutive bytes");
     const int64_t D = a.head_dim, pr0 = b.page_row + (c.j0 - b.first_position);
-    for (int64_t r = 0; r < n; ++r)
-      for (int64_t d = 0; d < D; ++d) {
-        const float code = static_cast<float>(int4_key_code(b.key, D, pr0 + r, d));
-        dst[r * D + d] = codes ? code : b.key_min[d] + code * b.key_scale[d];
+    const uint8_t* k4 = static_cast<const uint8_t*>(b.key);
+    for (int64_t r = 0; r < n; ++r) {
+      float* o = dst + r * D;
+      if (D % 32 == 0) {  // whole 32-channel groups (every cache page): channel d is byte 16 (d / 32) + d % 16
+        const uint8_t* kr = k4 + (pr0 + r) * (D / 2);
+        for (int64_t d = 0; d < D; d += W) {
+          const typename V::vf code = V::nibbles(kr + 16 * (d / 32) + d % 16, (d & 16) != 0);
+          V::store(o + d, codes ? code : V::add(V::load(b.key_min + d), V::mul(code, V::load(b.key_scale + d))));
+        }
+      } else {
+        for (int64_t d = 0; d < D; ++d) {
+          const float code = static_cast<float>(int4_key_code(b.key, D, pr0 + r, d));
+          o[d] = codes ? code : b.key_min[d] + code * b.key_scale[d];
+        }
       }
+    }
     if (n < rows) std::memset(dst + n * D, 0, static_cast<size_t>((rows - n) * D) * sizeof(float));
   } else if (b.encoding == KVEncoding::kInt8)
     dequant_rows_i8<V>(reinterpret_cast<const int8_t*>(c.krows), n, a.head_dim, rows, codes ? nullptr : b.key_scale,
@@ -113,12 +126,25 @@ template <class V, class Cursor>
 inline void convert_v_tile(const AttentionGroup& a, const Cursor& c, int64_t n, int64_t rows, float* dst) {
   const KVBlock& b = a.blocks[c.blk];
   if (b.encoding == KVEncoding::kInt4) {  // min + code * scale, per row
+    constexpr int W = V::W;
     const int64_t Dv = a.v_head_dim, pr0 = b.page_row + (c.j0 - b.first_position);
-    for (int64_t r = 0; r < n; ++r)
-      for (int64_t d = 0; d < Dv; ++d) {
-        const float code = static_cast<float>(int4_value_code(b.value, Dv, pr0 + r, d));
-        dst[r * Dv + d] = b.value_min[pr0 + r] + code * b.value_scale[pr0 + r];
+    const uint8_t* v4 = static_cast<const uint8_t*>(b.value);
+    for (int64_t r = 0; r < n; ++r) {
+      const int64_t pr = pr0 + r;
+      float* o = dst + r * Dv;
+      if (Dv % 32 == 0) {  // channel d of row pr: byte 2 (d % 16) + (pr & 1) of its pair's group d / 32
+        const uint8_t* pair = v4 + (pr >> 1) * Dv;
+        const typename V::vf mn = V::set1(b.value_min[pr]), sc = V::set1(b.value_scale[pr]);
+        for (int64_t d = 0; d < Dv; d += W)
+          V::store(o + d, V::add(mn, V::mul(V::pair_nibbles(pair + 32 * (d / 32) + 2 * (d % 16), (pr & 1) != 0,
+                                                             (d & 16) != 0), sc)));
+      } else {
+        for (int64_t d = 0; d < Dv; ++d) {
+          const float code = static_cast<float>(int4_value_code(b.value, Dv, pr, d));
+          o[d] = b.value_min[pr] + code * b.value_scale[pr];
+        }
       }
+    }
     if (n < rows) std::memset(dst + n * Dv, 0, static_cast<size_t>((rows - n) * Dv) * sizeof(float));
   } else if (b.encoding == KVEncoding::kInt8)
     dequant_pairs_i8<V>(reinterpret_cast<const int8_t*>(c.vrows), c.vpar, n, a.v_head_dim, rows,
@@ -206,6 +232,40 @@ struct Bf16Dot {
   static vf finish(vf a) { return a; }
 };
 
+
+// One row of q (`q`, scaled) in 16-bit fixed point against a page's K scales `ks`: x_d = q_d *
+// ks_d, q16 = round(x * qmax / max |x|) (detail::int8_query's float32 operations, element for
+// element, so every level gets the same q16 and scale); returns the scale m / qmax. `t` holds D
+// floats of scratch; D a multiple of W.
+template <class V>
+OLEP_HOT float fixed_query_row(const float* q, const float* ks, int64_t D, int16_t* q16, float* t) {
+  using vf = typename V::vf;
+  constexpr int W = V::W;
+  const float qmax = detail::int8_query_max(D);
+  vf mx = V::zero();
+  for (int64_t d = 0; d < D; d += W) {
+    const vf x = V::mul(V::load(q + d), V::load(ks + d));
+    V::store(t + d, x);
+    mx = V::max(mx, V::abs(x));
+  }
+  float m = V::reduce_max(mx);
+  // (a tiny max is first scaled up by 2^100, exactly, so qmax / m stays finite)
+  const float pre = m < 0x1p-100f ? 0x1p100f : 1.0f;
+  m *= pre;
+  const float inv = m > 0.0f ? qmax / m : 0.0f;
+  for (int64_t d = 0; d < D; d += W) V::round_i16(q16 + d, V::mul(V::mul(V::load(t + d), V::set1(pre)), V::set1(inv)));
+  return m / qmax / pre;
+}
+
+// int4 pages: the part of a score the K minimums give, sum_d q_d * key_min_d (q scaled), in
+// float32, summed in W lanes, then across them (detail::int4_bias is the scalar level's serial
+// sum: the two differ in rounding only). D a multiple of W.
+template <class V>
+OLEP_HOT float int4_query_bias(const float* q, const float* key_min, int64_t D) {
+  typename V::vf b = V::zero();
+  for (int64_t d = 0; d < D; d += V::W) b = V::fma(V::load(q + d), V::load(key_min + d), b);
+  return V::reduce_add(b);
+}
 
 // Probabilities of keys a row cannot see are stored as -0.0f (kUnseen); a visible key's
 // probability is >= +0.0f (exp may underflow to +0).

@@ -386,14 +386,15 @@ void attend_lanes(const AttentionGroup& a, int64_t key_begin, int64_t key_end, A
     const int64_t j0 = tc.j0, n = tc.n;
     if (fixed && tc.blk != scaled_blk) {
       const float* ks = a.blocks[tc.blk].key_scale;
-      float* row = ktile;                                  // free until this tile's K conversion
-      int16_t* t = reinterpret_cast<int16_t*>(row + D);  // ktile holds TK * D floats
+      float* row = ktile;  // free until this tile's K conversion (ktile holds TK * D floats)
+      float* t = row + D;  // fixed_query_row's scratch: D floats, then D int16
+      int16_t* q16 = reinterpret_cast<int16_t*>(t + D);
       for (int64_t r = 0; r < R; ++r) {
         if (r % S >= valid) continue;
         for (int64_t d = 0; d < D; ++d) row[d] = qt[d * Rp + r];
-        const float sq = detail::int8_query(row, ks, D, t);
-        for (int64_t d = 0; d < D; ++d) qt8[d * Rp + r] = sq * static_cast<float>(t[d]);
-        lbias[r] = enc == KVEncoding::kInt4 ? detail::int4_bias(row, a.blocks[tc.blk].key_min, D) : 0.0f;
+        const float sq = fixed_query_row<V>(row, ks, D, q16, t);
+        for (int64_t d = 0; d < D; ++d) qt8[d * Rp + r] = sq * static_cast<float>(q16[d]);
+        lbias[r] = enc == KVEncoding::kInt4 ? int4_query_bias<V>(row, a.blocks[tc.blk].key_min, D) : 0.0f;
       }
       scaled_blk = tc.blk;
     }

@@ -32,30 +32,6 @@ OLEP_HOT void round_weights(const float* ptile, int64_t par, int16_t* w, float* 
 // weight buffers are sized for them; attend_run sends more rows to the tiled path).
 constexpr int kCodesMaxRows = 15;
 
-// One row of q (`q`, scaled) in 16-bit fixed point against a page's K scales `ks`: x_d = q_d *
-// ks_d, q16 = round(x * qmax / max |x|) (detail::int8_query's float32 operations, element for
-// element, so every level gets the same q16 and scale); returns the scale m / qmax. `t` holds D
-// floats of scratch; D a multiple of W.
-template <class V>
-OLEP_HOT float fixed_query_row(const float* q, const float* ks, int64_t D, int16_t* q16, float* t) {
-  using vf = typename V::vf;
-  constexpr int W = V::W;
-  const float qmax = detail::int8_query_max(D);
-  vf mx = V::zero();
-  for (int64_t d = 0; d < D; d += W) {
-    const vf x = V::mul(V::load(q + d), V::load(ks + d));
-    V::store(t + d, x);
-    mx = V::max(mx, V::abs(x));
-  }
-  float m = V::reduce_max(mx);
-  // (a tiny max is first scaled up by 2^100, exactly, so qmax / m stays finite)
-  const float pre = m < 0x1p-100f ? 0x1p100f : 1.0f;
-  m *= pre;
-  const float inv = m > 0.0f ? qmax / m : 0.0f;
-  for (int64_t d = 0; d < D; d += W) V::round_i16(q16 + d, V::mul(V::mul(V::load(t + d), V::set1(pre)), V::set1(inv)));
-  return m / qmax / pre;
-}
-
 // int8 K codes read as codes: row r of q (qf, scaled) times the block's K scales `ks`, rounded
 // to int16 relative to its largest element (q16 [R, D], qsc[r] = its scale; fixed_query_row),
 // for the rows (h, i) of the group; `t` holds D floats of scratch. int32 sums of D products of
@@ -72,14 +48,13 @@ OLEP_HOT void codes_query_i8(const AttentionGroup& a, const float* ks, const flo
 }
 
 // int4 K codes read as codes: as codes_query_i8 (fixed_query_row), q16 permuted to the
-// unpacked K order (int4_permute_q), plus qbias[r] = sum_d q * scale * key_min (float32, summed
-// in W lanes then across them). `t`: 1.5 D floats of scratch. (Done once per row and page: in
-// scalar code, int8_query and the serial float sum took ~1500 cycles per row and 256-key page,
-// ~6 cycles per key for one query row, a quarter of the int4 one-row step.)
+// unpacked K order (int4_permute_q), plus qbias[r] (int4_query_bias). `t`: 1.5 D floats of
+// scratch. (Once per row and page; in scalar code, detail::int8_query and int4_bias took ~1500
+// cycles per row and 256-key page, ~6 cycles per key for one query row, a quarter of the
+// int4 one-row step.)
 template <class V>
 OLEP_HOT void codes_query_i4(const AttentionGroup& a, const KVBlock& kb, const float* qf, int16_t* q16, float* qsc,
                              float* qbias, float* t) {
-  using vf = typename V::vf;
   constexpr int W = V::W;
   const int64_t G = a.group_size, S = a.num_rows, D = a.head_dim, valid = std::min(a.num_valid_rows, S);
   int16_t* natural = reinterpret_cast<int16_t*>(t + D);  // q16 in channel order
@@ -89,23 +64,24 @@ OLEP_HOT void codes_query_i4(const AttentionGroup& a, const KVBlock& kb, const f
       const float* q = qf + r * D;
       qsc[r] = fixed_query_row<V>(q, kb.key_scale, D, natural, t);
       int4_permute_q<W>(natural, D, q16 + r * D);
-      vf b = V::zero();
-      for (int64_t d = 0; d < D; d += W) b = V::fma(V::load(q + d), V::load(kb.key_min + d), b);
-      qbias[r] = V::reduce_add(b);
+      qbias[r] = int4_query_bias<V>(q, kb.key_min, D);
     }
 }
 
 // Quantized blocks converted to float tiles: the same fixed-point q as float, qs[r * D + d] =
-// sq * q16 (detail::int8_query), and qbias[r] (int4: the K minimums' part, else 0). `t`: D int16.
-inline void fixed_query_float(const AttentionGroup& a, const KVBlock& kb, bool int4, const float* qf, float* qs,
-                              float* qbias, int16_t* t) {
+// sq * q16 (fixed_query_row), and qbias[r] (int4: int4_query_bias, else 0). `t`: 1.5 D floats.
+template <class V>
+OLEP_HOT void fixed_query_float(const AttentionGroup& a, const KVBlock& kb, bool int4, const float* qf, float* qs,
+                                float* qbias, float* t) {
+  constexpr int W = V::W;
   const int64_t G = a.group_size, S = a.num_rows, D = a.head_dim, valid = std::min(a.num_valid_rows, S);
+  int16_t* q16 = reinterpret_cast<int16_t*>(t + D);
   for (int64_t h = 0; h < G; ++h)
     for (int64_t i = 0; i < valid; ++i) {
       const int64_t r = h * S + i;
-      const float sq = detail::int8_query(qf + r * D, kb.key_scale, D, t);
-      for (int64_t d = 0; d < D; ++d) qs[r * D + d] = sq * static_cast<float>(t[d]);
-      qbias[r] = int4 ? detail::int4_bias(qf + r * D, kb.key_min, D) : 0.0f;
+      const float sq = fixed_query_row<V>(qf + r * D, kb.key_scale, D, q16, t);
+      for (int64_t d = 0; d < D; d += W) V::store(qs + r * D + d, V::mul(V::set1(sq), V::load_i16(q16 + d)));
+      qbias[r] = int4 ? int4_query_bias<V>(qf + r * D, kb.key_min, D) : 0.0f;
     }
 }
 

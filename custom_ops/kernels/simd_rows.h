@@ -185,7 +185,7 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
           scaled_blk = kc.blk;
         }
       } else if (kTiles && fixed && kc.blk != scaled_blk) {  // the same fixed-point q, as float
-        fixed_query_float(a, a.blocks[kc.blk], int4, qf, qs, qbias, reinterpret_cast<int16_t*>(ktile));
+        fixed_query_float<V>(a, a.blocks[kc.blk], int4, qf, qs, qbias, ktile);
         scaled_blk = kc.blk;
         qk = qs;
       }
