@@ -813,78 +813,79 @@ void one_valid_row_among_padding() {
 
 }  // namespace
 
-// int8 and int4 pages made by the cache's codec (quant::quantize_page), one query row per KV
-// head (MHA decode: the row path's one-row score walk over codes), head_dim 64 / 128 / 192 /
-// 256 (whole and partial vectors per K row at every level), a 50x outlier channel and a
-// shifted one, q large enough that its fixed-point values span the int16 range, pages entered
-// at an odd page row and cut short (zero-padded partial tiles): every level against the scalar
-// level, and the avx512_bf16 level (VPDPWSSD) against the avx512 level (VPMADDWD + VPADDD, the
-// same P.V code), which must agree to float summation order. A wrong channel, nibble or pair
-// order is off by O(1).
-void quant_pages_one_row_match_scalar() {
+// int8 and int4 pages made by the cache's codec (quant::quantize_page), G query heads over one
+// KV head at decode (1 row: the row path's one-row walk over codes; 4: its register blocks over
+// codes; 20: the lanes path, K/V tiles unpacked to float), head_dim 64 / 128 / 192 / 256 (whole
+// and partial vectors per K row at every level), a 50x outlier channel and a shifted one, q
+// large enough that its fixed-point values span the int16 range, pages entered at an odd page
+// row and cut short (zero-padded partial tiles): every level against the scalar level, and the
+// avx512_bf16 level (VPDPWSSD) against the avx512 level (VPMADDWD + VPADDD, the same P.V code),
+// which must agree to float summation order. A wrong channel, nibble or pair order is off by
+// O(1).
+void quant_pages_match_scalar() {
   if (active_isa() == Isa::kScalar) return;
   const Isa level = active_isa();
   for (KVQuant mode : {KVQuant::kInt8, KVQuant::kInt4})
-    for (int64_t D : {64, 128, 192, 256}) {
-      const int64_t P = 64, npages = 3;
-      CacheGeometry g;
-      g.num_layers = g.batch_size = g.kv_num_heads = 1;
-      g.head_dim = g.v_head_dim = D;
-      g.max_sequence_length = P * npages;
-      g.page_tokens = P;
-      g.kv_quant = mode;
-      std::mt19937 rng(static_cast<uint32_t>(D + 7 * static_cast<int>(mode)));
-      std::normal_distribution<float> nd;
-      std::vector<char> native(static_cast<size_t>(g.page_bytes())),
-          quant(static_cast<size_t>(npages * g.quant_page_bytes()));
-      std::vector<KVBlock> blocks;
-      int64_t first = 0;
-      for (int64_t pg = 0; pg < npages; ++pg) {
-        float* k = reinterpret_cast<float*>(native.data());
-        float* v = k + P * D;
-        for (int64_t i = 0; i < P * D; ++i) {
-          k[i] = nd(rng) * (i % D == 3 ? 50.0f : 1.0f) + (i % D == 5 ? 4.0f : 0.0f);
-          v[i] = nd(rng);
+    for (int64_t D : {64, 128, 192, 256})
+      for (int64_t G : {1, 4, 20}) {
+        const int64_t P = 64, npages = 3;
+        CacheGeometry g;
+        g.num_layers = g.batch_size = g.kv_num_heads = 1;
+        g.head_dim = g.v_head_dim = D;
+        g.max_sequence_length = P * npages;
+        g.page_tokens = P;
+        g.kv_quant = mode;
+        std::mt19937 rng(static_cast<uint32_t>(D + 7 * static_cast<int>(mode) + 1000 * G));
+        std::normal_distribution<float> nd;
+        std::vector<char> native(static_cast<size_t>(g.page_bytes())),
+            quant(static_cast<size_t>(npages * g.quant_page_bytes()));
+        std::vector<KVBlock> blocks;
+        int64_t first = 0;
+        for (int64_t pg = 0; pg < npages; ++pg) {
+          float* k = reinterpret_cast<float*>(native.data());
+          float* v = k + P * D;
+          for (int64_t i = 0; i < P * D; ++i) {
+            k[i] = nd(rng) * (i % D == 3 ? 50.0f : 1.0f) + (i % D == 5 ? 4.0f : 0.0f);
+            v[i] = nd(rng) + (i % D == 7 ? 3.0f : 0.0f);
+          }
+          char* qp = quant.data() + pg * g.quant_page_bytes();
+          CHECK(quant::quantize_page(g, native.data(), qp));
+          // page 0 from row 1 (odd page row), page 1 whole, page 2 its first 37 rows
+          const int64_t r0 = pg == 0 ? 1 : 0, r1 = pg == 2 ? 37 : P;
+          blocks.push_back(quant::quant_block(g, qp, first, r0, r1));
+          first += r1 - r0;
         }
-        char* qp = quant.data() + pg * g.quant_page_bytes();
-        CHECK(quant::quantize_page(g, native.data(), qp));
-        // page 0 from row 1 (odd page row), page 1 whole, page 2 its first 37 rows
-        const int64_t r0 = pg == 0 ? 1 : 0, r1 = pg == 2 ? 37 : P;
-        blocks.push_back(quant::quant_block(g, qp, first, r0, r1));
-        first += r1 - r0;
+        const int64_t T = first;
+        std::vector<float> q(static_cast<size_t>(G * D));
+        for (auto& x : q) x = 30.0f * nd(rng);
+        AttentionGroup a;
+        a.dtype = DType::kFloat32;
+        a.q = q.data(); a.q_head_stride = D; a.q_row_stride = D;
+        a.out_head_stride = D; a.out_row_stride = D;
+        a.group_size = G; a.num_rows = 1; a.num_valid_rows = 1; a.q_offset = T - 1; a.num_keys = T;
+        a.blocks = blocks.data(); a.num_blocks = static_cast<int64_t>(blocks.size());
+        a.head_dim = D; a.v_head_dim = D; a.scale = 1.0f / std::sqrt(static_cast<float>(D)); a.is_causal = true;
+        // scalar, this level, and (avx512_bf16) the avx512 level
+        const Isa levels[3] = {Isa::kScalar, level, Isa::kAvx512};
+        std::vector<float> out[3];
+        const int passes = level == Isa::kAvx512Bf16 ? 3 : 2;
+        for (int pass = 0; pass < passes; ++pass) {
+          set_isa(levels[pass]);
+          out[pass].assign(static_cast<size_t>(G * D), 0.0f);
+          a.out = out[pass].data();
+          std::vector<float> scratch(static_cast<size_t>(attend_group_floats(a)));
+          attend_group(a, scratch.data());
+        }
+        set_isa(level);
+        for (size_t e = 0; e < static_cast<size_t>(G * D); ++e) {
+          CHECK_NEAR(out[1][e], out[0][e], 1e-4 * (1.0 + std::fabs(out[0][e])));
+          if (passes == 3) CHECK_NEAR(out[1][e], out[2][e], 2e-6 * (1.0 + std::fabs(out[2][e])));
+        }
       }
-      const int64_t T = first;
-      std::vector<float> q(static_cast<size_t>(D));
-      for (auto& x : q) x = 30.0f * nd(rng);
-      AttentionGroup a;
-      a.dtype = DType::kFloat32;
-      a.q = q.data(); a.q_head_stride = D; a.q_row_stride = D;
-      a.out_head_stride = D; a.out_row_stride = D;
-      a.group_size = 1; a.num_rows = 1; a.num_valid_rows = 1; a.q_offset = T - 1; a.num_keys = T;
-      a.blocks = blocks.data(); a.num_blocks = static_cast<int64_t>(blocks.size());
-      a.head_dim = D; a.v_head_dim = D; a.scale = 1.0f / std::sqrt(static_cast<float>(D)); a.is_causal = true;
-      // scalar, this level, and (avx512_bf16) the avx512 level: the same P.V code, scores by
-      // 16-bit pair dots there, by byte dots here
-      const Isa levels[3] = {Isa::kScalar, level, Isa::kAvx512};
-      std::vector<float> out[3];
-      const int passes = level == Isa::kAvx512Bf16 ? 3 : 2;
-      for (int pass = 0; pass < passes; ++pass) {
-        set_isa(levels[pass]);
-        out[pass].assign(static_cast<size_t>(D), 0.0f);
-        a.out = out[pass].data();
-        std::vector<float> scratch(static_cast<size_t>(attend_group_floats(a)));
-        attend_group(a, scratch.data());
-      }
-      set_isa(level);
-      for (size_t d = 0; d < static_cast<size_t>(D); ++d) {
-        CHECK_NEAR(out[1][d], out[0][d], 1e-4 * (1.0 + std::fabs(out[0][d])));
-        if (passes == 3) CHECK_NEAR(out[1][d], out[2][d], 2e-6 * (1.0 + std::fabs(out[2][d])));
-      }
-    }
 }
 
 void run_all() {
-  quant_pages_one_row_match_scalar();
+  quant_pages_match_scalar();
   int8_blocks_match_model();
   int8_odd_head_dim();
   one_valid_row_among_padding();
