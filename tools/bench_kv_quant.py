@@ -536,7 +536,9 @@ def main(argv=None) -> int:
         analyse(cfg, peaks, bw)
     cmd = "python tools/bench_kv_quant.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None
                                                                                   else sys.argv[1:]))
-    result = {"settings": {**vars(args), "command": cmd.strip(), "elapsed_s": time.time() - t0,
+    from onnx_light_ep.bench.command import reproducible_command
+
+    result = {"settings": {**vars(args), "command": reproducible_command(cmd.strip()), "elapsed_s": time.time() - t0,
                            "head_dim": HEAD_DIM, "page_tokens": PAGE_TOKENS},
               "machine": machine_info(configs[0]["ours"]["isa"] if configs else None),
               "fma_peak": peaks, "fma_peak_raw": peak_text, "ort_peak_level": widest_fp32_peak(peaks)[0],

@@ -66,6 +66,23 @@ def add_arguments(parser) -> None:
                         help="also replace the generated section of this BENCHMARKS.md")
 
 
+#: Environment variables that change what a benchmark measures (the attention ISA level).
+MEASURED_ENV = ("ONNX_LIGHT_ISA",)
+
+
+def reproducible_command(command: str, environ: Optional[Dict[str, str]] = None) -> str:
+    """``command`` with the settings of :data:`MEASURED_ENV` that are set in ``environ`` (default
+    ``os.environ``) written in front, as a POSIX shell takes them
+    (``ONNX_LIGHT_ISA=avx2 python tools/bench_decode.py ...``), so that the command line a report
+    prints reproduces the run; unchanged when none is set or the command already starts with it."""
+    import shlex
+
+    env = os.environ if environ is None else environ
+    prefix = [f"{k}={shlex.quote(env[k])}" for k in MEASURED_ENV
+              if env.get(k) and not command.startswith(f"{k}=")]
+    return " ".join(prefix + [command])
+
+
 def main_from_args(args, command: Optional[str] = None, metadata: Optional[Dict] = None) -> int:
     """Run :func:`run_bench` from parsed ``add_arguments`` options; returns the exit status."""
     import shlex
@@ -75,6 +92,7 @@ def main_from_args(args, command: Optional[str] = None, metadata: Optional[Dict]
 
     if command is None:
         command = shlex.join(["onnx-light"] + sys.argv[1:])
+    command = reproducible_command(command)
     try:
         configs = [_parse_config(c) for c in args.config] if args.config else None
     except ValueError as e:

@@ -166,3 +166,36 @@ def test_failing_candidate_is_dropped_the_others_measured(tmp_path, monkeypatch)
         assert "median_ms" not in c["ep_kvcache_block"]
         assert c["ep_kvcache"]["status"] == "ok" and c["ep_kvcache"]["median_ms"] > 0
     assert "step exploded" in report.markdown(res)
+
+
+def test_reproducible_command_carries_the_forced_isa_level():
+    from onnx_light_ep.bench.command import reproducible_command
+
+    cmd = "python tools/bench_decode.py --out-dir bench_out"
+    assert reproducible_command(cmd, {}) == cmd
+    assert reproducible_command(cmd, {"ONNX_LIGHT_ISA": ""}) == cmd
+    assert reproducible_command(cmd, {"ONNX_LIGHT_ISA": "avx2", "HOME": "/root"}) == "ONNX_LIGHT_ISA=avx2 " + cmd
+    assert reproducible_command("ONNX_LIGHT_ISA=avx2 " + cmd, {"ONNX_LIGHT_ISA": "avx2"}) == "ONNX_LIGHT_ISA=avx2 " + cmd
+    assert reproducible_command(cmd, {"ONNX_LIGHT_ISA": "a b"}) == "ONNX_LIGHT_ISA='a b' " + cmd
+
+
+def test_bench_command_names_the_forced_isa_level(tmp_path, monkeypatch, capsys):
+    """main_from_args hands run_bench (here a fake: the library's level is fixed once loaded, so
+    the variable is not set for a real run) the command with ONNX_LIGHT_ISA in front."""
+    import argparse
+
+    from onnx_light_ep.bench import command as command_mod
+
+    seen = {}
+
+    def fake_run_bench(configs, **kw):
+        seen["command"] = kw["command"]
+        return {"settings": {"elapsed_s": 0.0}}
+
+    monkeypatch.setattr(command_mod, "run_bench", fake_run_bench)
+    monkeypatch.setenv("ONNX_LIGHT_ISA", "avx2")
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args(["--quick", "--no-plot", "--out-dir", str(tmp_path)])
+    assert bench.main_from_args(args, command="python tools/bench_decode.py --quick") == 0
+    assert seen["command"] == "ONNX_LIGHT_ISA=avx2 python tools/bench_decode.py --quick"
