@@ -49,9 +49,9 @@ OLEP_HOT void codes_query_i8(const AttentionGroup& a, const float* ks, const flo
 
 // int4 K codes read as codes: as codes_query_i8 (fixed_query_row), q16 permuted to the
 // unpacked K order (int4_permute_q), plus qbias[r] (int4_query_bias). `t`: 1.5 D floats of
-// scratch. (Once per row and page; in scalar code, detail::int8_query and int4_bias took ~1500
-// cycles per row and 256-key page, ~6 cycles per key for one query row, a quarter of the
-// int4 one-row step.)
+// scratch. (Once per row and page; as scalar code, detail::int8_query and int4_bias, it took
+// ~1500 cycles per row and 256-key page: Zen 4, 8K keys, int4 / fp16 time 0.94 -> 0.81 for GQA
+// 32/8 and 0.64 -> 0.59 for MHA when made SIMD.)
 template <class V>
 OLEP_HOT void codes_query_i4(const AttentionGroup& a, const KVBlock& kb, const float* qf, int16_t* q16, float* qsc,
                              float* qbias, float* t) {
