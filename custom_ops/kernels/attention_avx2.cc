@@ -11,6 +11,11 @@ namespace {
 struct Avx2 {
   static constexpr int W = 8;
   static constexpr bool kBf16Dot = false;  // no VDPBF16PS at this level
+  // Software prefetch distance of one 16-bit query row's K/V stream (simd_rows.h, row_ahead):
+  // measured a gain on Zen 3 and a loss on Zen 4 run at this level, so only on cores without
+  // AVX-512.
+  // (A read of libgcc's CPU model; level detection, attention_common.cc, ran __builtin_cpu_init.)
+  static int64_t row_ahead() { return __builtin_cpu_supports("avx512f") ? 0 : 4096; }
   using vf = __m256;
   static vf zero() { return _mm256_setzero_ps(); }
   static vf set1(float x) { return _mm256_set1_ps(x); }

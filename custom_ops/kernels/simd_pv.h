@@ -87,6 +87,45 @@ OLEP_HOT void pv_rows(float* st_acc, const int64_t* rows, int64_t Dv, const type
   }
 }
 
+// One output row whose Dv is wider than the registers hold (AVX2: 8 accumulators, 64 floats;
+// Dv a multiple of 8 W above that): key by key over the whole Dv, the accumulators reloaded
+// from acc per key and 8 W channels, so the tile's V rows are read whole, one after another.
+// pv_rows instead takes the tile once per 8 W channels, every V row a part at a time: a strided
+// walk the hardware prefetchers follow worse (simd_rows.h has the figures). The same arithmetic
+// in the same order as pv_rows (o = o * corr, then + p_t * v_t in key order); one pf->step()
+// per key and 8 W channels, as pv_rows (pv_passes).
+template <class V, class L, bool kSkipZero>
+OLEP_HOT void pv_row_keys(float* acc, int64_t Dv, const typename L::elem* v, int64_t v_stride, const float* p,
+                          int64_t n, float corr, TilePrefetch* pf) {
+  using vf = typename V::vf;
+  constexpr int W = V::W, NU = 8;
+  for (int64_t t = 0; t < n; ++t) {
+    const float pt = p[t];
+    const bool skip = kSkipZero && pt == 0.0f && std::signbit(pt);  // kUnseen
+    const vf pb = V::set1(pt);
+    const vf c = V::set1(t == 0 ? corr : 1.0f);
+    for (int64_t d = 0; d < Dv; d += NU * W) {
+      pf->step();
+      float* a = acc + d;
+      if (skip && t > 0) continue;
+      vf o[NU];
+#pragma GCC unroll 8
+      for (int u = 0; u < NU; ++u) o[u] = V::load(a + u * W);
+      if (t == 0) {
+#pragma GCC unroll 8
+        for (int u = 0; u < NU; ++u) o[u] = V::mul(o[u], c);
+      }
+      if (!skip) {
+        const typename L::elem* vr = v + t * v_stride + d;
+#pragma GCC unroll 8
+        for (int u = 0; u < NU; ++u) o[u] = V::fma(pb, L::load(vr + u * W), o[u]);
+      }
+#pragma GCC unroll 8
+      for (int u = 0; u < NU; ++u) V::store(a + u * W, o[u]);
+    }
+  }
+}
+
 // Number of pv_block calls pv_rows<V, L, RB> makes for Dv (each steps the prefetcher once
 // per key).
 template <int W, int RB>

@@ -126,7 +126,10 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
   // Zen 3 the hardware prefetchers alone left the 16-bit stream at 0.65x stream_read (MHA, 16K
   // keys, kernel alone, tools/cpp/bench_paged_attention, alternating builds: fp16 0.76x and
   // bf16 0.84x the time per step; fp32 2.5% slower with it, so not there; 8 KiB ahead no better).
-  const int64_t row_ahead = W == 8 && enc == KVEncoding::kNative && es == 2 ? 4096 : 0;
+  // On Zen 4 at the forced AVX2 level it costs instead (paged fp16 MHA 16K, 256-token pages:
+  // 1.82x -> 1.38x the read time without it, bf16 1.80x -> 1.36-1.40x), so V::row_ahead() gives
+  // the distance per core: 4096 bytes on cores without AVX-512, 0 on those with it.
+  const int64_t row_ahead = W == 8 && enc == KVEncoding::kNative && es == 2 ? V::row_ahead() : 0;
   // One query row over int8 / int4 pages: software prefetch one block (page) ahead, spread over
   // the current page's chunk. Each page is a new stream for the hardware prefetchers, and a
   // code page is short (int8: 64 KiB + scales at 256 tokens, D = 128; int4: half) against their
@@ -420,7 +423,13 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
         if (row_count == 1) {  // G = 1, one valid row: state row 0
           const int64_t row0[1] = {0};
           if (row_ahead > 0) pf.reset(vc.vrows + row_ahead, n * Dv * es, nullptr, 0, n * pv_passes<W, 1>(Dv));
-          if (all_seen) pv_rows<V, KL, 1, false>(st->acc, row0, Dv, vp, ptile, 1, W, n, corr, &pf);
+          // float32 V rows wider than the 8 accumulators: pv_row_keys, each V row read whole in
+          // turn (Zen 4, AVX2 level, paged MHA fp32 16K, 128-token pages: 2.0-2.1x -> 1.28-1.40x
+          // the read time); 16-bit rows keep pv_rows (pv_row_keys measured 1.32x -> 1.46x there).
+          if (std::is_same<KE, float>::value && Dv > 8 * W && Dv % (8 * W) == 0) {
+            if (all_seen) pv_row_keys<V, KL, false>(st->acc, Dv, vp, Dv, ptile, n, corr[0], &pf);
+            else pv_row_keys<V, KL, true>(st->acc, Dv, vp, Dv, ptile, n, corr[0], &pf);
+          } else if (all_seen) pv_rows<V, KL, 1, false>(st->acc, row0, Dv, vp, ptile, 1, W, n, corr, &pf);
           else pv_rows<V, KL, 1, true>(st->acc, row0, Dv, vp, ptile, 1, W, n, corr, &pf);
           continue;  // (the last step of the tile)
         }

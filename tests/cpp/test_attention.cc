@@ -440,6 +440,33 @@ void unseen_nan_value_not_read() {
   }
 }
 
+// One query row (MHA decode) with head_dim past the AVX2 level's 8 accumulators (its P.V goes
+// key by key there, pv_row_keys): the V rows of keys a bool mask hides hold NaN, between visible
+// keys of the same tiles (the first key of the first tile among them), and must not reach the
+// output; at every level the result is the visible keys' common V row.
+void unseen_nan_value_not_read_one_row() {
+  for (int64_t D : {64, 128, 256}) {
+    const int64_t T = 40;
+    std::vector<float> q(static_cast<size_t>(D), 0.1f), k(static_cast<size_t>(T * D), 0.2f), v(k.size()),
+        out(q.size());
+    std::vector<uint8_t> mb(static_cast<size_t>(T));
+    for (int64_t j = 0; j < T; ++j) {
+      mb[static_cast<size_t>(j)] = j % 3 != 0;
+      for (int64_t d = 0; d < D; ++d)
+        v[static_cast<size_t>(j * D + d)] = mb[static_cast<size_t>(j)] ? 0.01f * static_cast<float>(d) : NAN;
+    }
+    KVBlock b;
+    AttentionGroup a = one_tile_group(q, k, v, out, &b, 1, 1, D, T);
+    a.mask.kind = MaskKind::kBool; a.mask.data = mb.data(); a.mask.key_stride = 1;
+    std::vector<float> buf(static_cast<size_t>(attend_group_floats(a)));
+    attend_group(a, buf.data());
+    int bad = 0;
+    for (int64_t d = 0; d < D; ++d) bad += std::fabs(out[static_cast<size_t>(d)] - 0.01f * d) <= 1e-6f ? 0 : 1;
+    if (bad) std::fprintf(stderr, "unseen_nan_value_not_read_one_row D=%ld: %d outputs wrong\n", (long)D, bad);
+    CHECK(bad == 0);
+  }
+}
+
 // One or two visible keys with a +inf score (inf in K): softmax is inf - inf = NaN (ONNX
 // Attention), at every level (the lanes path once gave finite values, the scalar level once
 // returned the V row of a single +inf key).
@@ -1010,6 +1037,7 @@ void run_all() {
   nan_in_one_head();
   nan_with_softcap();
   unseen_nan_value_not_read();
+  unseen_nan_value_not_read_one_row();
   inf_scores_are_nan();
   nonfinite_matches_scalar(DType::kFloat32);
   nonfinite_matches_scalar(DType::kBFloat16);
