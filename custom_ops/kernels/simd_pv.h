@@ -126,6 +126,25 @@ OLEP_HOT void pv_row_keys(float* acc, int64_t Dv, const typename L::elem* v, int
   }
 }
 
+// How the row path's AVX-512 P.V groups `rows` output rows (simd_rows.h): `full` blocks of rb
+// rows per V load, then one block of the `tail` rows left (0-3); with rb = 2 an odd row joins
+// the last pair as one block of 3, so the V tile is read once more, not twice (GQA with 3
+// query heads per kv head, head_dim 64, float32 — SmolLM2's shape — Zen 4, paged from DRAM:
+// 0.300 -> 0.263-0.269 ms per layer, 1.48x -> 1.28x the read time; tools/cpp/bench_paged_attention
+// f32 4096 256 3 3 64 200).
+struct PvBlocks {
+  int64_t full;
+  int tail;
+};
+inline PvBlocks pv_blocks(int64_t rows, int rb) {
+  PvBlocks b{rows / rb, static_cast<int>(rows % rb)};
+  if (rb == 2 && b.tail == 1 && b.full >= 1) {
+    --b.full;
+    b.tail = 3;
+  }
+  return b;
+}
+
 // Number of pv_block calls pv_rows<V, L, RB> makes for Dv (each steps the prefetcher once
 // per key).
 template <int W, int RB>

@@ -94,15 +94,21 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
   // P.V rows per V load at AVX2 (pv_tile_rows): 4, so each V vector is loaded (and converted)
   // once per 4 rows (GQA 32/8, in L2, AVX2: 2 rows measured 4-30% slower, fp32 the most).
   constexpr int kPvRows = 4;
+  // AVX-512 (W >= 16): pv_rows, kPvWide rows per V load (float32 2, 16-bit 4), then the rest
+  // (pv_blocks).
+  constexpr int kPvWide = std::is_same<KE, float>::value ? 2 : 4;
   const int64_t tile_steps = [&] {
     const int64_t r4 = row_count / 4, r2 = row_count % 4 / 2, r1 = row_count % 2;
     const int E = dot || kCodes ? 2 * W : W;  // elements per score-loop iteration
     const int64_t scores = kCodes4 ? (r4 * 4 + r2 * 2) * (D / (4 * W)) + r1 * W  // scores_i4_rows: one per 4 W
                                    : r4 * scores_rows_steps<W, 4>(D, E) + r2 * scores_rows_steps<W, 2>(D, E) + r1 * W;
-    constexpr int kPvOld = std::is_same<KE, float>::value ? 2 : 4;  // W >= 16: pv_rows, these rows per V load
+    const PvBlocks wide = pv_blocks(row_count, kPvWide);
+    const int64_t tail_passes = wide.tail == 3   ? pv_passes<W, 3>(Dv)
+                                : wide.tail == 2 ? pv_passes<W, 2>(Dv)
+                                : wide.tail == 1 ? pv_passes<W, 1>(Dv)
+                                                 : 0;
     const int64_t pv = kCodes ? (row_count / 2) * W * pv_passes<W, 2>(Dv) + (row_count % 2) * W * pv_passes<W, 1>(Dv)
-                       : W >= 16 ? (row_count / kPvOld) * W * pv_passes<W, kPvOld>(Dv) +
-                                       (row_count % kPvOld) * W * pv_passes<W, 1>(Dv)
+                       : W >= 16 ? wide.full * W * pv_passes<W, kPvWide>(Dv) + W * tail_passes
                               : (row_count / kPvRows) * pv_tile_steps<W, kPvRows>(Dv) +
                                     (row_count % kPvRows / 2) * pv_tile_steps<W, 2>(Dv) +
                                     (row_count % 2) * pv_tile_steps<W, 1>(Dv);
@@ -402,22 +408,28 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
         // kPvRows rows per V load, then a pair, then single rows. One row (MHA decode): pv_rows'
         // key loop, as before pv_tile_rows (memory-bound there; the unrolled loop measured no faster).
         if (W >= 16) {  // AVX-512: pv_rows (pv_tile_rows measured 7% slower there for GQA bf16, no faster otherwise)
-          constexpr int RB = std::is_same<KE, float>::value ? 2 : 4;
-          int64_t rows[RB];
+          constexpr int RB = kPvWide;
+          auto pv = [&](auto rb, const int64_t* rs) OLEP_LAMBDA_HOT {
+            constexpr int kRB = decltype(rb)::value;
+            if (all_seen) pv_rows<V, KL, kRB, false>(st->acc, rs, Dv, vp, ptile, 1, W, n, corr, &pf);
+            else pv_rows<V, KL, kRB, true>(st->acc, rs, Dv, vp, ptile, 1, W, n, corr, &pf);
+          };
+          const PvBlocks wide = pv_blocks(row_count, RB);
+          int64_t rows[4];
           int nr = 0;
+          int64_t full = 0;
           for (int64_t i = 0; i < valid; ++i)
             for (int64_t h = 0; h < G; ++h) {
               rows[nr++] = h * S + i;
-              if (nr == RB) {
-                if (all_seen) pv_rows<V, KL, RB, false>(st->acc, rows, Dv, vp, ptile, 1, W, n, corr, &pf);
-                else pv_rows<V, KL, RB, true>(st->acc, rows, Dv, vp, ptile, 1, W, n, corr, &pf);
+              if (nr == RB && full < wide.full) {
+                pv(std::integral_constant<int, RB>{}, rows);
                 nr = 0;
+                ++full;
               }
             }
-          for (int k = 0; k < nr; ++k) {
-            if (all_seen) pv_rows<V, KL, 1, false>(st->acc, rows + k, Dv, vp, ptile, 1, W, n, corr, &pf);
-            else pv_rows<V, KL, 1, true>(st->acc, rows + k, Dv, vp, ptile, 1, W, n, corr, &pf);
-          }
+          if (nr == 3) pv(std::integral_constant<int, 3>{}, rows);
+          else if (nr == 2) pv(std::integral_constant<int, 2>{}, rows);
+          else if (nr == 1) pv(std::integral_constant<int, 1>{}, rows);
           continue;  // (the last step of the tile)
         }
         if (row_count == 1) {  // G = 1, one valid row: state row 0
