@@ -99,11 +99,11 @@ OLEP_HOT void pv_row_keys(float* acc, int64_t Dv, const typename L::elem* v, int
                           int64_t n, float corr, TilePrefetch* pf) {
   using vf = typename V::vf;
   constexpr int W = V::W, NU = 8;
+  const vf c = V::set1(corr);  // applied with key 0
   for (int64_t t = 0; t < n; ++t) {
     const float pt = p[t];
     const bool skip = kSkipZero && pt == 0.0f && std::signbit(pt);  // kUnseen
     const vf pb = V::set1(pt);
-    const vf c = V::set1(t == 0 ? corr : 1.0f);
     for (int64_t d = 0; d < Dv; d += NU * W) {
       pf->step();
       float* a = acc + d;

@@ -405,8 +405,10 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
       if constexpr (kCodes) {
         pv_codes_tile<V, kCodes4>(a, ptile, corr, vbias, pw, st->acc, vc.vrows, vc.vpar, n, &pf);
       } else {
-        // kPvRows rows per V load, then a pair, then single rows. One row (MHA decode): pv_rows'
-        // key loop, as before pv_tile_rows (memory-bound there; the unrolled loop measured no faster).
+        // AVX-512: blocks of kPvWide rows per V load, then the rest as one block (pv_blocks).
+        // AVX2: kPvRows rows per V load, then a pair, then single rows; one row (MHA decode) takes
+        // pv_rows' key loop (16-bit) or pv_row_keys (float32), not pv_tile_rows (memory-bound
+        // there; the unrolled loop measured no faster).
         if (W >= 16) {  // AVX-512: pv_rows (pv_tile_rows measured 7% slower there for GQA bf16, no faster otherwise)
           constexpr int RB = kPvWide;
           auto pv = [&](auto rb, const int64_t* rs) OLEP_LAMBDA_HOT {
