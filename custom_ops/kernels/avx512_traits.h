@@ -14,6 +14,7 @@ namespace {
 
 struct Avx512 {
   static constexpr int W = 16;
+  static constexpr int kRegs = 32;  // vector registers (zmm0-31)
   static constexpr bool kBf16Dot = false;  // see Avx512Bf16 (attention_avx512_bf16.cc)
   static int64_t row_ahead() { return 0; }  // (AVX2 only, simd_rows.h)
   using vf = __m512;

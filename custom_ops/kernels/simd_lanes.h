@@ -20,8 +20,9 @@ namespace {  // internal linkage: each ISA translation unit its own copy (attent
 //   s_t = sum_d qt[d][rows] * broadcast(k_t[d])
 // one vector per key, no reduction; max, exp, sum and the rescale factor are lane-wise.
 // Per tile it is two small GEMMs with register-blocked micro-kernels: scores = K tile x Q^T
-// (lane_scores: 2 row vectors x 8 keys of accumulators at 32 registers, 2 x 4 at 16; the K tile
-// loaded or converted once per tile) and O += P x V tile (lane_pv: 8 consecutive rows x 2 output
+// (lane_scores: 2 row vectors x 4 keys; at 32 registers the running totals of the 16-element
+// partial sums stay in registers too, at 16 in the score tile; the K tile loaded or converted
+// once per tile) and O += P x V tile (lane_pv: 8 consecutive rows x 2 output
 // vectors at 32 registers, 6 x 2 at 16; the probabilities broadcast from their lanes).
 // Measured (tools/bench_lanes_kernel.py, MQA 32/1, head_dim 128, 4K keys, 1 thread, shared
 // Xeon, K/V in caches or from memory): 1.5-1.7x the compute floor at AVX2, 1.9-2.2x at AVX-512
@@ -46,6 +47,15 @@ OLEP_HOT void lane_scores(const float* const* qc, int64_t Rp, const float* kr, i
                           const float* const* lb, TilePrefetch* pf) {
   using vf = typename V::vf;
   const int64_t D = DC > 0 ? DC : Drt;
+  // The running totals stay in registers where MR x NK block sums, as many totals, the MR q
+  // vectors and a broadcast fit (lane_score_keys picks NK so); else they live in the score tile.
+  // The same additions in the same order either way: total = b0 (+ bias), then total + b1, ...
+  constexpr bool kRegTotals = 2 * MR * NK + MR + 1 <= V::kRegs;
+  vf tot[kRegTotals ? MR : 1][kRegTotals ? NK : 1];
+#pragma GCC unroll 4
+  for (int m = 0; m < (kRegTotals ? MR : 1); ++m)
+#pragma GCC unroll 16
+    for (int u = 0; u < (kRegTotals ? NK : 1); ++u) tot[m][u] = V::zero();  // D = 0
   for (int64_t d0 = 0; d0 < D; d0 += kLaneScoreBlock) {
     vf acc[MR][NK];
 #pragma GCC unroll 4
@@ -74,9 +84,17 @@ OLEP_HOT void lane_scores(const float* const* qc, int64_t Rp, const float* kr, i
         for (int u = 0; u < NK; ++u) acc[m][u] = V::add(acc[m][u], b);
       }
 #pragma GCC unroll 16
-      for (int u = 0; u < NK; ++u)
-        V::store(out[m] + u * Rp, d0 == 0 ? acc[m][u] : V::add(V::load(out[m] + u * Rp), acc[m][u]));
+      for (int u = 0; u < NK; ++u) {
+        if constexpr (kRegTotals) tot[m][u] = d0 == 0 ? acc[m][u] : V::add(tot[m][u], acc[m][u]);
+        else V::store(out[m] + u * Rp, d0 == 0 ? acc[m][u] : V::add(V::load(out[m] + u * Rp), acc[m][u]));
+      }
     }
+  }
+  if constexpr (kRegTotals) {
+#pragma GCC unroll 4
+    for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 16
+      for (int u = 0; u < NK; ++u) V::store(out[m] + u * Rp, tot[m][u]);
   }
 }
 
@@ -88,6 +106,12 @@ OLEP_HOT void lane_scores_bf16(const float* const* qc, int64_t Rp, const uint16_
                                float* const* out, typename V::vf sc, TilePrefetch* pf) {
   using vf = typename V::vf;
   const int64_t D = DC > 0 ? DC : Drt;
+  constexpr bool kRegTotals = 2 * MR * NK + MR + 1 <= V::kRegs;  // as lane_scores
+  vf tot[kRegTotals ? MR : 1][kRegTotals ? NK : 1];
+#pragma GCC unroll 4
+  for (int m = 0; m < (kRegTotals ? MR : 1); ++m)
+#pragma GCC unroll 16
+    for (int u = 0; u < (kRegTotals ? NK : 1); ++u) tot[m][u] = V::zero();  // D = 0
   for (int64_t d0 = 0; d0 < D; d0 += kLaneScoreBlock) {
     vf acc[MR][NK];
 #pragma GCC unroll 4
@@ -113,18 +137,32 @@ OLEP_HOT void lane_scores_bf16(const float* const* qc, int64_t Rp, const uint16_
     for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 16
       for (int u = 0; u < NK; ++u) {
-        vf x = d0 == 0 ? acc[m][u] : V::add(V::load(out[m] + u * Rp), acc[m][u]);
-        if (last) x = V::mul(x, sc);
-        V::store(out[m] + u * Rp, x);
+        if constexpr (kRegTotals) {
+          vf x = d0 == 0 ? acc[m][u] : V::add(tot[m][u], acc[m][u]);
+          tot[m][u] = last ? V::mul(x, sc) : x;
+        } else {
+          vf x = d0 == 0 ? acc[m][u] : V::add(V::load(out[m] + u * Rp), acc[m][u]);
+          if (last) x = V::mul(x, sc);
+          V::store(out[m] + u * Rp, x);
+        }
       }
+  }
+  if constexpr (kRegTotals) {
+#pragma GCC unroll 4
+    for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 16
+      for (int u = 0; u < NK; ++u) V::store(out[m] + u * Rp, tot[m][u]);
   }
 }
 
-// Keys per score micro-kernel call and row vectors per call: 2 row vectors x 8 keys (16
-// accumulators) with 32 vector registers, 2 x 4 with 16; single row vectors take 8 keys.
+// Keys per score micro-kernel call for pairs of row vectors: 4 (single row vectors take 8).
+// With 32 vector registers the 8 block sums and 8 totals stay in registers: on Zen 4 2 x 4
+// measured 0.89-0.94x the time of 2 x 8 with the totals in the score tile (prefill blocks of 64
+// rows, MQA 32/1 fp32 / fp16 / bf16, in cache). With 16 registers the totals stay in the tile:
+// 2 x 2 with register totals measured 1.10-1.17x the time of 2 x 4 (Zen 4, AVX2 level).
 template <class V>
 constexpr int lane_score_keys() {
-  return V::W >= 16 ? 8 : 4;
+  return 4;
 }
 
 // The scores of the row vectors blk[0..nb) (row block indices, any order) for the n <= TK keys of
