@@ -75,7 +75,8 @@ int64_t scratch_floats(const AttentionGroup& a) {
   const int64_t Rp = R + 16;
   // Plus q times an int8 block's K scales, [R, head_dim] (row path on int8 codes).
   // Plus, for int4 blocks, a score term and a P.V term per row (row path) or per padded row (lanes).
-  return Rp * (2 * a.head_dim + 32 + 5) + 32 * (a.head_dim + a.v_head_dim) + a.head_dim + a.v_head_dim + 64 + 1024;
+  // Plus the lanes path's per row block key ranges (4 int64 per 16 rows and more).
+  return Rp * (2 * a.head_dim + 32 + 7) + 32 * (a.head_dim + a.v_head_dim) + a.head_dim + a.v_head_dim + 64 + 1024;
 }
 
 const char* isa_name(Isa isa) {

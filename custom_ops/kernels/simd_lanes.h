@@ -395,7 +395,8 @@ void attend_lanes(const AttentionGroup& a, int64_t key_begin, int64_t key_end, A
   float* corr = lloc + Rp;         // [Rp] this tile's rescale factor
   float* qt8 = corr + Rp;          // [D, Rp] int8 blocks, fixed: sq * q16 per row (int8_query)
   float* lbias = qt8 + D * Rp;     // [Rp] int4 blocks, fixed: the K minimums' part of each score
-                                   // then [Rp / W] int64 indices of live row blocks (live_blocks)
+                                   // then [Rp / W] int64 indices of live row blocks (live_blocks),
+                                   // [Rp / W] lane bits (block_bits), [Rp / W] x 4 int64 key ranges
 
   const bool capped = a.softcap > 0.0f;
   const float qscale = capped ? 1.0f : a.scale;
@@ -447,6 +448,35 @@ void attend_lanes(const AttentionGroup& a, int64_t key_begin, int64_t key_end, A
     block_bits[b] = bits;
   }
   auto block_rows = [&](int64_t b) { return block_bits[b]; };
+  // Rows that see different key ranges (causal prefill, windows): per row block the keys all its
+  // valid rows see, [brange[4b], brange[4b+1]), and the keys any of them sees, [brange[4b+2],
+  // brange[4b+3]), found once per call. A tile inside the first takes the fast softmax path and
+  // every row of the block takes its P.V; a tile outside the second is skipped; only the tiles
+  // on a block's edge look at its rows one by one (per lane and key: ~10% of a causal
+  // prefill's time when every tile did).
+  int64_t* brange = reinterpret_cast<int64_t*>(block_bits + nblocks + 1) + 0;
+  brange = reinterpret_cast<int64_t*>((reinterpret_cast<uintptr_t>(brange) + 7) & ~uintptr_t{7});
+  if (!uniform) {
+    for (int64_t b = 0; b < nblocks; ++b) {
+      int64_t all_lo = INT64_MIN, all_hi = INT64_MAX, any_lo = INT64_MAX, any_hi = INT64_MIN;
+      for (int lane = 0; lane < W; ++lane) {
+        if (!(block_bits[b] >> lane & 1u)) continue;
+        int64_t lo, hi;
+        detail::visible_range(a, (b * W + lane) % S, &lo, &hi);
+        all_lo = std::max(all_lo, lo), all_hi = std::min(all_hi, hi);
+        any_lo = std::min(any_lo, lo), any_hi = std::max(any_hi, hi);
+      }
+      brange[4 * b] = all_lo, brange[4 * b + 1] = all_hi, brange[4 * b + 2] = any_lo, brange[4 * b + 3] = any_hi;
+    }
+  }
+  // The tile [j0, j0 + n) is inside / outside the keys of row block b.
+  auto tile_in_all = [&](int64_t b, int64_t j0, int64_t n) {
+    return uniform ? j0 >= ulo && j0 + n <= uhi : j0 >= brange[4 * b] && j0 + n <= brange[4 * b + 1];
+  };
+  auto tile_off_any = [&](int64_t b, int64_t j0, int64_t n) {
+    return uniform ? std::max(j0, ulo) >= std::min(j0 + n, uhi)
+                   : std::max(j0, brange[4 * b + 2]) >= std::min(j0 + n, brange[4 * b + 3]);
+  };
   const size_t es = stored_elem_bytes(a.dtype, enc);
   const vf neg_inf = V::set1(-INFINITY);
   TilePrefetch pf;
@@ -511,8 +541,8 @@ void attend_lanes(const AttentionGroup& a, int64_t key_begin, int64_t key_end, A
     for (int64_t b = 0; b < nblocks; ++b) {
       const unsigned rows_bits = block_rows(b);
       bool any = false;
-      if (uniform) {
-        any = rows_bits != 0 && std::max(j0, ulo) < std::min(j0 + n, uhi);
+      if (uniform || rows_bits == 0 || tile_in_all(b, j0, n) || tile_off_any(b, j0, n)) {
+        any = rows_bits != 0 && !tile_off_any(b, j0, n);
       } else {
         for (int lane = 0; lane < W && !any; ++lane) {
           if (!(rows_bits >> lane & 1u)) continue;
@@ -536,12 +566,12 @@ void attend_lanes(const AttentionGroup& a, int64_t key_begin, int64_t key_end, A
     }
 
     bool all_seen = true;  // every valid row sees every key of the tile
-    // Every valid row sees every key of the tile (no causal edge, window or range end inside it).
-    const bool full = uniform && j0 >= ulo && j0 + n <= uhi;
     for (int64_t b = 0; b < nblocks; ++b) {
       const int64_t rb = b * W;
       bool capped_done = false;
-      if (full && block_bits[b] != 0) {
+      // Every valid row of the block sees every key of the tile (no causal edge, window or
+      // range end inside it).
+      if (block_bits[b] != 0 && tile_in_all(b, j0, n)) {
         // Fast path: scores finite in every lane (else the general path below sorts out NaN,
         // +inf and -inf): tile max, rescale factor, probabilities and their sum in two passes.
         const vf sa = V::set1(a.scale), inv_cap = V::set1(capped ? 1.0f / a.softcap : 0.0f);
@@ -651,7 +681,7 @@ void attend_lanes(const AttentionGroup& a, int64_t key_begin, int64_t key_end, A
     for (int64_t r = 0; r < R; ++r) {
       const int64_t i = r % S;
       bool sees = i < valid;
-      if (sees && !uniform) {
+      if (sees && !uniform && !tile_in_all(r / W, j0, n)) {
         int64_t lo, hi;
         detail::visible_range(a, i, &lo, &hi);
         sees = std::max(j0, lo) < std::min(j0 + n, hi);

@@ -26,6 +26,7 @@ struct Lanes {
   DType dtype = DType::kFloat32;
   int64_t split = -1;    // >= 0: attend [0, split) and [split, T) separately, then merge
   int64_t begin = 0;     // keys [begin, T) only (a piece of a split range, finalized alone)
+  int64_t valid = -1;    // >= 0: num_valid_rows (rows past it are padding: zero output)
 };
 
 uint16_t enc(DType t, float f) { return t == DType::kFloat16 ? float_to_half(f) : float_to_bf16(f); }
@@ -63,7 +64,8 @@ void run(const Lanes& c, uint32_t seed) {
   a.dtype = c.dtype;
   a.q = qb.data(); a.q_head_stride = c.S * c.D; a.q_row_stride = c.D;
   a.out = ob.data(); a.out_head_stride = c.S * c.Dv; a.out_row_stride = c.Dv;
-  a.group_size = c.G; a.num_rows = c.S; a.num_valid_rows = c.S; a.q_offset = c.P; a.num_keys = T;
+  a.group_size = c.G; a.num_rows = c.S; a.num_valid_rows = c.valid >= 0 ? c.valid : c.S; a.q_offset = c.P;
+  a.num_keys = T;
   a.blocks = blocks.data(); a.num_blocks = static_cast<int64_t>(blocks.size());
   a.head_dim = c.D; a.v_head_dim = c.Dv; a.scale = 1.0f / std::sqrt(static_cast<float>(c.D));
   a.softcap = c.softcap; a.is_causal = true; a.local_window_size = c.window;
@@ -85,7 +87,7 @@ void run(const Lanes& c, uint32_t seed) {
       const int64_t pos = c.P + i, r = h * c.S + i;
       std::vector<double> s(static_cast<size_t>(T), -INFINITY);
       double m = -INFINITY;
-      for (int64_t j = c.begin; j <= pos; ++j) {
+      for (int64_t j = c.begin; j <= pos && i < a.num_valid_rows; ++j) {
         if (c.window > 0 && j <= pos - c.window) continue;
         double dot = 0;
         for (int64_t d = 0; d < c.D; ++d) dot += double(q[static_cast<size_t>(r * c.D + d)]) * k[static_cast<size_t>(j * c.D + d)];
@@ -146,14 +148,27 @@ void register_block_edges() {
   Lanes piece;
   piece.G = 18; piece.P = 150; piece.begin = 37;
   run(piece, seed++);
-  // Prefill blocks: causal frontiers and windows inside a tile, rows of several heads.
+  // Prefill blocks: causal frontiers and windows inside a tile, rows of several heads (a row
+  // block then holds rows of two heads, far apart in position), padding rows past the valid ones.
   for (int64_t S : {13, 40, 77}) {
     Lanes c;
     c.G = 1; c.S = S; c.P = 29;
     run(c, seed++);
     c.G = 3; c.window = 21;
     run(c, seed++);
+    c.valid = S * 2 / 3; c.window = -1;
+    run(c, seed++);
+    c.G = 1; c.window = 7; c.P = 0;
+    run(c, seed++);
   }
+  // Row blocks that see every key of most tiles (the fast softmax path and whole-block P.V on
+  // causal rows) and tiles on each block's frontier: 64 rows from position 0 and from 300.
+  for (int64_t P : {0, 300})
+    for (int64_t G : {1, 4}) {
+      Lanes c;
+      c.G = G; c.S = 64 / G; c.P = P; c.page = 96;
+      run(c, seed++);
+    }
   Lanes cap;
   cap.G = 33; cap.softcap = 2.5f; cap.P = 70;
   run(cap, seed++);
