@@ -42,15 +42,22 @@ namespace {  // internal linkage: each ISA translation unit its own copy (attent
 // then differ from plain ORT's by 1.5e-4, past the fp32 compare tolerance; 16: 7e-5.)
 constexpr int64_t kLaneScoreBlock = detail::kScoreBlock;
 
+// Whether a score micro-kernel of MR row vectors x NK keys keeps the running totals of its
+// kLaneScoreBlock partial sums in registers: the MR x NK block sums, as many totals, the MR q
+// vectors and a broadcast fit (lane_score_keys picks NK so at 32 registers); else the totals live
+// in the score tile. The same additions in the same order either way: total = b0 (+ bias), then
+// total + b1, ...
+template <class V, int MR, int NK>
+constexpr bool lane_register_totals() {
+  return 2 * MR * NK + MR + 1 <= V::kRegs;
+}
+
 template <class V, int MR, int NK, int64_t DC>
 OLEP_HOT void lane_scores(const float* const* qc, int64_t Rp, const float* kr, int64_t Drt, float* const* out,
                           const float* const* lb, TilePrefetch* pf) {
   using vf = typename V::vf;
   const int64_t D = DC > 0 ? DC : Drt;
-  // The running totals stay in registers where MR x NK block sums, as many totals, the MR q
-  // vectors and a broadcast fit (lane_score_keys picks NK so); else they live in the score tile.
-  // The same additions in the same order either way: total = b0 (+ bias), then total + b1, ...
-  constexpr bool kRegTotals = 2 * MR * NK + MR + 1 <= V::kRegs;
+  constexpr bool kRegTotals = lane_register_totals<V, MR, NK>();
   vf tot[kRegTotals ? MR : 1][kRegTotals ? NK : 1];
 #pragma GCC unroll 4
   for (int m = 0; m < (kRegTotals ? MR : 1); ++m)
@@ -106,7 +113,7 @@ OLEP_HOT void lane_scores_bf16(const float* const* qc, int64_t Rp, const uint16_
                                float* const* out, typename V::vf sc, TilePrefetch* pf) {
   using vf = typename V::vf;
   const int64_t D = DC > 0 ? DC : Drt;
-  constexpr bool kRegTotals = 2 * MR * NK + MR + 1 <= V::kRegs;  // as lane_scores
+  constexpr bool kRegTotals = lane_register_totals<V, MR, NK>();
   vf tot[kRegTotals ? MR : 1][kRegTotals ? NK : 1];
 #pragma GCC unroll 4
   for (int m = 0; m < (kRegTotals ? MR : 1); ++m)
