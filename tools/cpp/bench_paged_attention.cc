@@ -11,10 +11,13 @@
 //              (stream_read over the one-block copy, as the decode benchmark's `limit`)
 //
 //   bench_paged_attention [dtype=f16|f32|bf16] [context=4096] [page_tokens=128] [heads=32]
-//                         [group=1] [head_dim=128] [rounds=30] [working_set_mib=256]
+//                         [group=1] [head_dim=128] [rounds=30] [working_set_mib=256] [flush_mib=0]
 //
 // working_set_mib: layers enough for at least that many MiB of K/V (1 with a small context and
 // few heads: one layer that stays in the caches, the compute time alone).
+// flush_mib: that many MiB of another buffer read before every layer-step, outside the timing,
+// as a real decode step's weight MatMuls read between two layers' attention (L2 cold: the code's
+// scratch, q and the first K/V lines start from L3 or DRAM); 0: layers back to back.
 //
 // Prints the median and the minimum ms per layer-step of each layout, their ratios to one
 // block (the minimum is the figure least disturbed by other load on a shared machine) and to
@@ -55,6 +58,7 @@ int main(int argc, char** argv) {
   const size_t row = static_cast<size_t>(D) * es;
   const int64_t per_head = T * 2 * static_cast<int64_t>(row);
   const int64_t ws_mib = argc > 8 ? std::atoll(argv[8]) : 256;
+  const size_t flush = argc > 9 ? static_cast<size_t>(std::atoll(argv[9])) << 20 : 0;
   const int64_t layers = std::max<int64_t>(1, ((ws_mib << 20) + per_head * heads - 1) / (per_head * heads));
   const int64_t units = heads * layers;  // unit u = layer * heads + head
   const int64_t blocks = (T + P - 1) / P;
@@ -126,17 +130,31 @@ int main(int argc, char** argv) {
                              {"paged_row", &pg, true, {}},
                              {"read", nullptr, false, {}}};
   volatile uint64_t sink = 0;
+  char* flush_buf = flush > 0 ? huge_alloc(flush) : nullptr;
   for (int r = 0; r < rounds; ++r)
     for (size_t i = 0; i < vs.size(); ++i) {
       Variant& v = vs[(i + static_cast<size_t>(r)) % vs.size()];
-      const auto t0 = std::chrono::steady_clock::now();
-      if (v.lists) {
-        for (int64_t l = 0; l < layers; ++l) step(*v.lists, l, v.by_row);
+      double ms = 0.0;
+      if (flush > 0) {  // layer by layer, each after a flush read (not timed)
+        for (int64_t l = 0; l < layers; ++l) {
+          sink = sink + stream_read(flush_buf, flush);
+          const auto t0 = std::chrono::steady_clock::now();
+          if (v.lists) step(*v.lists, l, v.by_row);
+          else
+            for (int64_t h = 0; h < heads; ++h)
+              sink = sink + stream_read(cbase(l * heads + h), static_cast<size_t>(per_head));
+          ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+        }
       } else {
-        for (int64_t u = 0; u < units; ++u) sink = sink + stream_read(cbase(u), static_cast<size_t>(per_head));
+        const auto t0 = std::chrono::steady_clock::now();
+        if (v.lists) {
+          for (int64_t l = 0; l < layers; ++l) step(*v.lists, l, v.by_row);
+        } else {
+          for (int64_t u = 0; u < units; ++u) sink = sink + stream_read(cbase(u), static_cast<size_t>(per_head));
+        }
+        ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
       }
-      v.ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() /
-                     static_cast<double>(layers));
+      v.ms.push_back(ms / static_cast<double>(layers));
     }
   std::printf("%s isa=%s T=%lld page_tokens=%lld heads=%lld group=%lld head_dim=%lld layers=%lld rounds=%d\n",
               dt.c_str(), isa_name(active_isa()), static_cast<long long>(T), static_cast<long long>(P),
