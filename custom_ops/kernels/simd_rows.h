@@ -156,8 +156,9 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
   // read between layers as a real decode step's weight MatMuls do (tools/cpp/
   // bench_paged_attention ... 256 3, alternating builds): SmolLM2's shape (f32 300 256 3 3 64)
   // 24.1-25.4 -> 22.2-22.8 us per layer; GQA 32/8 fp16, 512 keys, 5% less at AVX2 and AVX-512;
-  // 8K keys unchanged. (The same loop moved into a separate inline function measured no gain,
-  // for a reason not found: the binary then held fewer prefetch instructions.)
+  // 8K keys unchanged. One row (MHA) measured slower with it (fp16 512 keys: 0.34 -> 0.36 ms at
+  // AVX-512, 0.37-0.39 -> 0.43 ms at AVX2). (The same loop moved into a separate inline function
+  // measured no gain, for a reason not found: the binary then held fewer prefetch instructions.)
   if (row_count >= 2 && enc == KVEncoding::kNative) {
     TileCursor sc{a, kmin, kmax, W, es};
     for (int t = 0; t < kPrefetchTilesAhead && sc.next(); ++t) {
