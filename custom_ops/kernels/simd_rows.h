@@ -150,7 +150,7 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
   TileCursor kc{a, kmin, kmax, W, es};  // the scores pass
   TileCursor vc{a, kmin, kmax, W, es};  // the softmax + P.V pass, over the same tiles
   // Several rows over native blocks: the K and V rows of the first kPrefetchTilesAhead tiles,
-  // fetched into L2 at once. The spread prefetch (TilePrefetch::reset_next) covers every later
+  // fetched into L2 at once (the tile prefetcher, one step per tile). The spread prefetch (TilePrefetch::reset_next) covers every later
   // tile; these only the hardware prefetchers would, which start each stream with a few demand
   // misses (a call per kv head: new streams for its pages' K and V rows). Zen 4, paged, 3 MiB
   // read between layers as a real decode step's weight MatMuls do (tools/cpp/
@@ -162,8 +162,8 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
   if (row_count >= 2 && enc == KVEncoding::kNative) {
     TileCursor sc{a, kmin, kmax, W, es};
     for (int t = 0; t < kPrefetchTilesAhead && sc.next(); ++t) {
-      for (int64_t o = 0; o < sc.n * D * static_cast<int64_t>(es); o += 64) __builtin_prefetch(sc.krows + o, 0, 2);
-      for (int64_t o = 0; o < sc.n * Dv * static_cast<int64_t>(es); o += 64) __builtin_prefetch(sc.vrows + o, 0, 2);
+      pf.reset(sc.krows, sc.n * D * static_cast<int64_t>(es), sc.vrows, sc.n * Dv * static_cast<int64_t>(es), 1);
+      pf.step();  // the whole tile in one step
     }
   }
   int64_t scaled_blk = -1;              // kCodes: the block whose K scales q16 holds
