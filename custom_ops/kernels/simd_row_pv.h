@@ -75,7 +75,9 @@ constexpr int pv_tile_nu() {
 // pv_tile_nu vectors, then 4, 2, 1.
 template <class V, class L, int RB, bool kSkipZero>
 OLEP_HOT void pv_tile_rows(float* st_acc, const int64_t* rows, int64_t Dv, const typename L::elem* v,
-                           const float* ptile, int64_t n, const float* corr, TilePrefetch* pf) {
+                           const float* ptile, int64_t n, const float* corr, TilePrefetch* pf_io) {
+  TilePrefetch local = *pf_io;  // in registers, written back at the end (see scores_rows)
+  TilePrefetch* pf = &local;
   constexpr int W = V::W, NU = pv_tile_nu<W, RB>();
   float* acc[RB];
   const float* p[RB];
@@ -112,6 +114,7 @@ OLEP_HOT void pv_tile_rows(float* st_acc, const int64_t* rows, int64_t Dv, const
     point(d);
     pv_tile_block<V, L, RB, 1, kSkipZero>(acc, p, v + d, Dv, n, c, pf);
   }
+  *pf_io = local;
 }
 
 // pf->step() calls pv_tile_rows<V, L, RB> makes for Dv on a full tile (1 + W / kPvStepKeys per
