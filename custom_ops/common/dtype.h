@@ -14,6 +14,16 @@ namespace olep {
 /// Element type of K/V storage and of the attention tensors that feed it.
 enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 
+// The scalar conversions below are always inlined: the attention kernels' ISA translation
+// units (compiled with -mavx2 / -mavx512*) call them, and an out-of-line copy there would be a
+// weak symbol the linker may pick for every caller, AVX-512 code on an AVX2-only CPU
+// (tests/cpp/check_isa_objects.cmake checks that none is emitted).
+#if defined(__GNUC__)
+#define OLEP_DTYPE_INLINE inline __attribute__((always_inline))
+#else
+#define OLEP_DTYPE_INLINE inline
+#endif
+
 /// Bytes per element.
 inline size_t dtype_size(DType t) { return t == DType::kFloat32 ? 4 : 2; }
 
@@ -24,7 +34,7 @@ const char* dtype_name(DType t);
 /// Throws std::invalid_argument naming `what` and the accepted values.
 DType parse_dtype(const std::string& name, const char* what);
 
-inline float half_to_float(uint16_t h) {
+OLEP_DTYPE_INLINE float half_to_float(uint16_t h) {
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
   uint32_t exp = (h >> 10) & 0x1fu;
   uint32_t mant = h & 0x3ffu;
@@ -47,7 +57,7 @@ inline float half_to_float(uint16_t h) {
   return f;
 }
 
-inline uint16_t float_to_half(float f) {
+OLEP_DTYPE_INLINE uint16_t float_to_half(float f) {
   uint32_t x;
   std::memcpy(&x, &f, 4);
   const uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000u);
@@ -74,14 +84,14 @@ inline uint16_t float_to_half(float f) {
   return static_cast<uint16_t>(sign | r);
 }
 
-inline float bf16_to_float(uint16_t b) {
+OLEP_DTYPE_INLINE float bf16_to_float(uint16_t b) {
   const uint32_t bits = static_cast<uint32_t>(b) << 16;
   float f;
   std::memcpy(&f, &bits, 4);
   return f;
 }
 
-inline uint16_t float_to_bf16(float f) {
+OLEP_DTYPE_INLINE uint16_t float_to_bf16(float f) {
   uint32_t x;
   std::memcpy(&x, &f, 4);
   if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((x >> 16) | 0x40u);  // quiet nan

@@ -374,10 +374,14 @@ inline void transpose_q(const AttentionGroup& a, int64_t valid, int64_t Rp, floa
       transpose_q_as(a, static_cast<const float*>(a.q), valid, Rp, scale, qt, [](float x) { return x; });
       return;
     case DType::kFloat16:
-      transpose_q_as(a, static_cast<const uint16_t*>(a.q), valid, Rp, scale, qt, half_to_float);
+      // (lambdas, not function pointers: a pointer not folded away would need an out-of-line copy
+      // of the converter in this ISA unit, a weak symbol; see common/dtype.h)
+      transpose_q_as(a, static_cast<const uint16_t*>(a.q), valid, Rp, scale, qt,
+                     [](uint16_t x) { return half_to_float(x); });
       return;
     case DType::kBFloat16:
-      transpose_q_as(a, static_cast<const uint16_t*>(a.q), valid, Rp, scale, qt, bf16_to_float);
+      transpose_q_as(a, static_cast<const uint16_t*>(a.q), valid, Rp, scale, qt,
+                     [](uint16_t x) { return bf16_to_float(x); });
       return;
   }
 }
