@@ -10,6 +10,22 @@ namespace kernels {
 namespace simd {
 namespace {  // internal linkage: each ISA translation unit its own copy (attention_simd.h)
 
+// Calls of pv_block_i16 (int8) / pv_block_i4 (int4) that one row's P.V of a tile makes
+// (pv_rows_i16<V, 1> / pv_rows_i4<V, 1>): each steps the prefetcher once per V row pair.
+template <int W, bool kCodes4>
+constexpr int64_t codes_pv_calls(int64_t Dv) {
+  if (kCodes4) {
+    const int64_t loads = Dv / (2 * W);
+    return loads / 4 + loads % 4;
+  }
+  int64_t d = 0, calls = 0;
+  for (; d + 8 * W <= Dv; d += 8 * W) ++calls;
+  for (; d + 4 * W <= Dv; d += 4 * W) ++calls;
+  if (d + 2 * W <= Dv) { ++calls; d += 2 * W; }
+  if (d + W <= Dv) ++calls;
+  return calls;
+}
+
 // A row's P.V weights of one tile (ptile: W lanes, >= 0 or -0 for unseen keys, lanes past the
 // tile's keys unseen) in 16-bit fixed point, laid out as the V row pairs: w[par + t] = weight of
 // key t (w[0] = 0 when the tile starts at an odd page row, par = 1), 2 W + 2 entries; the largest

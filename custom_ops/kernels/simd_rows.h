@@ -146,6 +146,15 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
   // int4 5.4-5.8 -> 4.6 at AVX2 (forced). Spread over half the steps (int8 2.0-2.2) or over
   // twice as many (int8 1.68-1.70) measured worse; for native pages it measured slower at
   // AVX-512 (fp16 / bf16 MHA 16K: 13-15 -> 16-18 ms), as the earlier tile-ahead prefetch did.
+  // The next block's K rows are fetched over this chunk's score loops and its V rows (and
+  // scales) over its P.V loops (TilePrefetch::reset_split), each at its pass's rate of reading:
+  // one rate over both passes fetched K and half of V during the score loops, a burst of
+  // prefetches ahead of the demand reads that held DRAM below its rate (a synthetic loop over
+  // scattered 64 KiB pages, one core: the next page fetched line for line with the current one
+  // 2.5-2.8 ns per line, all of it during the first half 4.6-4.8 ns, none 3.7-4.6 ns). MHA 8K
+  // int8, alternating builds (bench_quant_attention f16 8192 256 32 1 128 20), time / native
+  // fp16: AVX2 0.80 -> 0.64-0.66, AVX-512 0.77 -> 0.735; int4 0.72 -> 0.68 at AVX2, 0.59 ->
+  // 0.61 at AVX-512 (compute-bound there).
   constexpr bool kBlockAhead = kCodes;
   TileCursor kc{a, kmin, kmax, W, es};  // the scores pass
   TileCursor vc{a, kmin, kmax, W, es};  // the softmax + P.V pass, over the same tiles
@@ -193,7 +202,8 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
           int64_t nkb, nvb;
           kc.next_block_bytes(&nk, &nkb, &nv, &nvb);
           const int64_t rows = kc.end - kc.j0;
-          pf.reset(nk, nkb, nv, nvb, rows + W + rows / 2 + 1);
+          const int64_t ntiles = std::min<int64_t>(chunk_tiles, (kc.end + W - 1) / W - kc.j0 / W);
+          pf.reset_split(nk, nkb, ntiles * W, nv, nvb, codes_pv_calls<W, kCodes4>(Dv) * (rows / 2 + ntiles));
         }
       } else {
         pf.reset(nullptr, 0, nullptr, 0, 1);
