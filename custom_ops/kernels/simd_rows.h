@@ -182,6 +182,7 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
     // (R == 1: the chunk's scores are laid out [tiles, R, W]; scratch_floats sizes them for one row)
     const int chunk_tiles = R == 1 && row_count == 1 && a.blocks[chunk_block].num_rows <= kChunkKeys ? kChunkKeys / W : 1;
     const bool block_ahead = kBlockAhead && chunk_tiles > 1;
+    int64_t v_rate = 64;  // block_ahead: the prefetch rate of the P.V pass (TilePrefetch::reset_split)
     int tiles = 0;
     for (; more && tiles < chunk_tiles && kc.blk == chunk_block; more = kc.next(), ++tiles) {
       const int64_t n = kc.n;
@@ -209,7 +210,7 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
           // fp16: AVX2 0.62-0.64 -> 0.735-0.75, AVX-512 0.72-0.735 -> 0.75; half of it 0.645 /
           // 0.75), for a reason not found.
           const int64_t v_steps = codes_pv_calls<W, kCodes4>(Dv) * ((rows + 1) / 2) * 5 / 4;
-          pf.reset_split(nk, nkb, ntiles * W, nv, nvb, v_steps);
+          v_rate = pf.reset_split(nk, nkb, ntiles * W, nv, nvb, v_steps);
         }
       } else {
         pf.reset(nullptr, 0, nullptr, 0, 1);
@@ -310,6 +311,7 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
     const bool defer = kCodes && tiles > 1 && R == 1 && 2 * W * (D + Dv) >= tiles * (2 * W + 2);
     Deferred dq[kChunkKeys / 8];
     int ndq = 0;
+    if (block_ahead) pf.set_rate(v_rate);
     for (int t = 0; t < tiles; ++t) {
       vc.next();
       const int64_t j0 = vc.j0, n = vc.n;
