@@ -153,15 +153,16 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
   // scattered 64 KiB pages, one core: the next page fetched line for line with the current one
   // 2.5-2.8 ns per line, all of it during the first half 4.6-4.8 ns, none 3.7-4.6 ns). MHA 8K
   // int8, alternating builds (bench_quant_attention f16 8192 256 32 1 128 20), time / native
-  // fp16: AVX2 0.80 -> 0.64-0.66, AVX-512 0.77 -> 0.735; int4 0.72 -> 0.68 at AVX2, 0.59 ->
-  // 0.61 at AVX-512 (compute-bound there).
+  // fp16: AVX2 0.80 -> 0.62-0.66, AVX-512 0.77 -> 0.71-0.73; int4 0.72 -> 0.68-0.71 at AVX2,
+  // 0.59 -> 0.60-0.61 at AVX-512 (compute-bound there).
   constexpr bool kBlockAhead = kCodes;
   TileCursor kc{a, kmin, kmax, W, es};  // the scores pass
   TileCursor vc{a, kmin, kmax, W, es};  // the softmax + P.V pass, over the same tiles
   // Several rows over native blocks: the K and V rows of the first kPrefetchTilesAhead tiles,
-  // fetched into L2 at once (the tile prefetcher, one step per tile). The spread prefetch (TilePrefetch::reset_next) covers every later
-  // tile; these only the hardware prefetchers would, which start each stream with a few demand
-  // misses (a call per kv head: new streams for its pages' K and V rows). Zen 4, paged, 3 MiB
+  // fetched into L2 at once (the tile prefetcher, one step per tile). The spread prefetch
+  // (TilePrefetch::reset_next) covers every later tile; these only the hardware prefetchers
+  // would, which start each stream with a few demand misses (a call per kv head: new streams
+  // for its pages' K and V rows). Zen 4, paged, 3 MiB
   // read between layers as a real decode step's weight MatMuls do (tools/cpp/
   // bench_paged_attention ... 256 3, alternating builds): SmolLM2's shape (f32 300 256 3 3 64)
   // 24.1-25.4 -> 22.2-22.8 us per layer; GQA 32/8 fp16, 512 keys, 5% less at AVX2 and AVX-512;
@@ -195,9 +196,9 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
       // (software prefetch measured slower on Zen 4); at AVX2 16-bit rows row_ahead bytes ahead
       // are prefetched (see row_ahead).
       if (block_ahead) {
-        // One row over code pages: the next block's K rows, V row pairs and scales, spread over
-        // this chunk's steps (the score loop's W per tile, the deferred P.V's one per row pair
-        // and block call), so the next page streams in while this one is computed.
+        // One row over code pages: the next block's K rows over this chunk's score loops (W steps
+        // per tile), its V row pairs and scales over the deferred P.V (one step per row pair and
+        // block call; set_rate below), so the next page streams in while this one is computed.
         if (tiles == 0) {
           const char *nk, *nv;
           int64_t nkb, nvb;
