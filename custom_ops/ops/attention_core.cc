@@ -17,10 +17,16 @@ std::string str(int64_t v) { return std::to_string(v); }
 //   item = (sequence b, kv head h, query block, KV split)
 // Query blocks keep group_size * rows <= 64 state rows (bounded scratch in
 // prefill). KV splits are used only when the other dimensions give fewer than
-// kMinItems items; partial states are merged in split order.
+// kMinItems items; partial states are merged in split order. A split costs a kernel call's
+// start (its first tiles' K/V from DRAM before the prefetch runs ahead, q laid out, a state to
+// merge): about 7 us for MQA 32/1 at head_dim 128 (Zen 4, kernel alone, 512 keys from DRAM
+// 0.094 ms against 4K keys 0.698 ms / 8), so splits are at least kMinSplitKeys keys and, past
+// two, kSplitKeys each: MQA 32/1 B=1 at 4K keys takes 2 splits, not 8 (the EP's step at
+// 1 thread, tools/bench_decode.py, in the commit that set it).
 constexpr int64_t kMaxStateRows = 64;
 constexpr int64_t kMinItems = 8;
 constexpr int64_t kMinSplitKeys = 512;
+constexpr int64_t kSplitKeys = 2048;
 
 struct Plan {
   int64_t rows_per_block, num_qblocks, num_splits;
@@ -34,7 +40,7 @@ Plan make_plan(const AttentionDims& d, int64_t max_keys) {
   const int64_t base = d.batch * d.kv_heads * p.num_qblocks;
   p.num_splits = 1;
   if (base < kMinItems && max_keys >= 2 * kMinSplitKeys)
-    p.num_splits = std::min((kMinItems + base - 1) / base, max_keys / kMinSplitKeys);
+    p.num_splits = std::min((kMinItems + base - 1) / base, std::max<int64_t>(2, max_keys / kSplitKeys));
   return p;
 }
 
