@@ -24,10 +24,11 @@ def _run(threads, q, k, v, past_k, past_v, model, **cache_options):
     return y
 
 
-def _case(seed):
-    """A decode step with 1500 cached positions, B * Hkv = 2 work items: the KV range splits."""
+def _case(seed, HKV=2, P=1500):
+    """A decode step with P cached positions, B * Hkv work items (default 1500 positions, 2
+    items: the KV range splits in 2)."""
     rng = np.random.default_rng(seed)
-    B, HQ, HKV, D, P = 1, 8, 2, 64, 1500
+    B, HQ, D = 1, 8, 64
     model = cache_attention_model(q_num_heads=HQ, kv_num_heads=HKV, head_dim=D, is_causal=1)
     q = rng.standard_normal((B, HQ, 1, D), dtype=np.float32)
     k = rng.standard_normal((B, HKV, 1, D), dtype=np.float32)
@@ -54,3 +55,15 @@ def test_int8_pages_one_and_two_threads_bit_identical(isa):
     y1 = _run(1, q, k, v, pk, pv, model, **opts)
     y2 = _run(2, q, k, v, pk, pv, model, **opts)
     assert np.array_equal(y1, y2), f"{isa}: 1 vs 2 threads differ on int8 pages"
+
+
+def test_one_kv_head_long_context_one_and_two_threads_bit_identical(isa):
+    """One kv head (MQA-like) over 4500 and 9000 positions: splits past the second are 2048
+    keys (ops/attention_core.cc), here 2 and 4 splits of ~2250 keys; 1 and 2 threads agree bit
+    for bit and with the oracle."""
+    for seed, P in ((2, 4500), (3, 9000)):
+        q, k, v, pk, pv, model = _case(seed, HKV=1, P=P)
+        y1 = _run(1, q, k, v, pk, pv, model)
+        y2 = _run(2, q, k, v, pk, pv, model)
+        assert np.array_equal(y1, y2), f"{isa}: 1 vs 2 threads differ at {P} positions"
+        np.testing.assert_allclose(y1, ref_attn(q, k, v, pk, pv)[0], atol=FP32_ATOL, rtol=FP32_RTOL)
