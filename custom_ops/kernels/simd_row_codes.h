@@ -12,18 +12,14 @@ namespace {  // internal linkage: each ISA translation unit its own copy (attent
 
 // Calls of pv_block_i16 (int8) / pv_block_i4 (int4) that one row's P.V of a tile makes
 // (pv_rows_i16<V, 1> / pv_rows_i4<V, 1>): each steps the prefetcher once per V row pair.
+// pv_rows_i16 splits Dv as pv_rows does (pv_passes).
 template <int W, bool kCodes4>
 constexpr int64_t codes_pv_calls(int64_t Dv) {
   if (kCodes4) {
     const int64_t loads = Dv / (2 * W);
     return loads / 4 + loads % 4;
   }
-  int64_t d = 0, calls = 0;
-  for (; d + 8 * W <= Dv; d += 8 * W) ++calls;
-  for (; d + 4 * W <= Dv; d += 4 * W) ++calls;
-  if (d + 2 * W <= Dv) { ++calls; d += 2 * W; }
-  if (d + W <= Dv) ++calls;
-  return calls;
+  return pv_passes<W, 1>(Dv);
 }
 
 // A row's P.V weights of one tile (ptile: W lanes, >= 0 or -0 for unseen keys, lanes past the
