@@ -151,6 +151,24 @@ struct Avx2 {
   static vi idot(vi acc, vi a, vi b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
   static vf icvt(vi a) { return _mm256_cvtepi32_ps(a); }
   static vi iadd(vi a, vi b) { return _mm256_add_epi32(a, b); }
+  // x[k] lane j <- x[j] lane k (an 8 x 8 transpose in registers).
+  __attribute__((always_inline)) static void transpose_square(vf* x) {
+    vf t[8], u[8];
+    for (int k = 0; k < 4; ++k) {
+      t[2 * k] = _mm256_unpacklo_ps(x[2 * k], x[2 * k + 1]);
+      t[2 * k + 1] = _mm256_unpackhi_ps(x[2 * k], x[2 * k + 1]);
+    }
+    for (int k = 0; k < 2; ++k) {
+      u[4 * k] = _mm256_shuffle_ps(t[4 * k], t[4 * k + 2], 0x44);
+      u[4 * k + 1] = _mm256_shuffle_ps(t[4 * k], t[4 * k + 2], 0xee);
+      u[4 * k + 2] = _mm256_shuffle_ps(t[4 * k + 1], t[4 * k + 3], 0x44);
+      u[4 * k + 3] = _mm256_shuffle_ps(t[4 * k + 1], t[4 * k + 3], 0xee);
+    }
+    for (int k = 0; k < 4; ++k) {
+      x[k] = _mm256_permute2f128_ps(u[k], u[k + 4], 0x20);
+      x[k + 4] = _mm256_permute2f128_ps(u[k], u[k + 4], 0x31);
+    }
+  }
   __attribute__((always_inline)) static vf transpose_reduce(const vf* acc) {
     vf w[4];
     for (int k = 0; k < 4; ++k)

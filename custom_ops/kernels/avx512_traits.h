@@ -136,6 +136,29 @@ struct Avx512 {
   static vf icvt(vi a) { return _mm512_cvtepi32_ps(a); }
   static vi iadd(vi a, vi b) { return _mm512_add_epi32(a, b); }
   // out[t] = sum of the lanes of acc[t], t = 0..15.
+  // x[k] lane j <- x[j] lane k (a 16 x 16 transpose in registers).
+  __attribute__((always_inline)) static void transpose_square(vf* x) {
+    vf t[16], u[16];
+    for (int k = 0; k < 8; ++k) {
+      t[2 * k] = _mm512_unpacklo_ps(x[2 * k], x[2 * k + 1]);
+      t[2 * k + 1] = _mm512_unpackhi_ps(x[2 * k], x[2 * k + 1]);
+    }
+    for (int k = 0; k < 4; ++k) {
+      u[4 * k] = _mm512_shuffle_ps(t[4 * k], t[4 * k + 2], 0x44);
+      u[4 * k + 1] = _mm512_shuffle_ps(t[4 * k], t[4 * k + 2], 0xee);
+      u[4 * k + 2] = _mm512_shuffle_ps(t[4 * k + 1], t[4 * k + 3], 0x44);
+      u[4 * k + 3] = _mm512_shuffle_ps(t[4 * k + 1], t[4 * k + 3], 0xee);
+    }
+    // u[4 g + c] holds, in each 128-bit lane L, column c of rows 4 g .. 4 g + 3 at columns 4 L + c.
+    for (int k = 0; k < 4; ++k) {
+      const vf a = _mm512_shuffle_f32x4(u[k], u[k + 4], 0x88), b = _mm512_shuffle_f32x4(u[k], u[k + 4], 0xdd);
+      const vf c = _mm512_shuffle_f32x4(u[k + 8], u[k + 12], 0x88), d = _mm512_shuffle_f32x4(u[k + 8], u[k + 12], 0xdd);
+      x[k] = _mm512_shuffle_f32x4(a, c, 0x88);
+      x[k + 8] = _mm512_shuffle_f32x4(a, c, 0xdd);
+      x[k + 4] = _mm512_shuffle_f32x4(b, d, 0x88);
+      x[k + 12] = _mm512_shuffle_f32x4(b, d, 0xdd);
+    }
+  }
   __attribute__((always_inline)) static vf transpose_reduce(const vf* acc) {
     vf w[8];
     for (int k = 0; k < 8; ++k)

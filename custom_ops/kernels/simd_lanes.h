@@ -172,18 +172,19 @@ constexpr int lane_score_keys() {
   return 4;
 }
 
-// The scores of the row vectors blk[0..nb) (row block indices, any order) for the n <= TK keys of
-// a tile (padded to TK with zero K rows): pairs of row vectors, then a single one.
+// The scores of the row vectors blk[0..nb) (row block indices, any order) for the first nk keys
+// (nk: a multiple of 8, at most TK) of a tile (keys past its n padded with zero K rows): pairs of
+// row vectors, then a single one.
 template <class V, int64_t DC>
 OLEP_HOT void lane_tile_scores(const int64_t* blk, int64_t nb, const float* qsrc, const float* lbias, bool add_bias,
                                int64_t Rp, const float* kp, const uint16_t* kraw, typename V::vf sc, int64_t D,
-                               float* ptile, TilePrefetch* pf) {
-  constexpr int W = V::W, TK = kLaneTileKeys, NK = lane_score_keys<V>(), NK1 = 8;
+                               float* ptile, int nk, TilePrefetch* pf) {
+  constexpr int W = V::W, NK = lane_score_keys<V>(), NK1 = 8;
   int64_t i = 0;
   for (; i + 2 <= nb; i += 2) {
     const float* qc[2] = {qsrc + blk[i] * W, qsrc + blk[i + 1] * W};
     const float* lb[2] = {lbias + blk[i] * W, lbias + blk[i + 1] * W};
-    for (int k0 = 0; k0 < TK; k0 += NK) {
+    for (int k0 = 0; k0 < nk; k0 += NK) {
       float* out[2] = {ptile + k0 * Rp + blk[i] * W, ptile + k0 * Rp + blk[i + 1] * W};
       if constexpr (V::kBf16Dot) {
         if (kraw) {
@@ -197,7 +198,7 @@ OLEP_HOT void lane_tile_scores(const int64_t* blk, int64_t nb, const float* qsrc
   if (i < nb) {
     const float* qc[1] = {qsrc + blk[i] * W};
     const float* lb[1] = {lbias + blk[i] * W};
-    for (int k0 = 0; k0 < TK; k0 += NK1) {
+    for (int k0 = 0; k0 < nk; k0 += NK1) {
       float* out[1] = {ptile + k0 * Rp + blk[i] * W};
       if constexpr (V::kBf16Dot) {
         if (kraw) {
@@ -341,22 +342,43 @@ constexpr int64_t lane_pv_passes(int64_t Dv) {
   return Dv / (kLanePvVectors * W) + (Dv % (kLanePvVectors * W)) / W;
 }
 
-// qt[d * Rp + h * S + i] = q(head h, row i)[d] * scale for the valid rows, in bands of 16
-// channels: each row's 16 elements are one read, and the band's 16 rows of qt (16 x Rp floats)
-// stay in L1 while the rows go by. Row by row over all of head_dim wrote every float to a new
-// line of qt, with the dtype switch per element: a 64-row prefill diagonal block at D = 128 on
-// Zen 4, in cache, took 0.029 ms with it and takes 0.022 ms with this. (Measured alternatives:
-// whole rows straight into qt, or staged 16 at a time, 0.0245 ms per diagonal block against
-// 0.022 in cache; with q from memory each is within 1% of a prefill's time of this.)
-template <class T, class Cvt>
-void transpose_q_as(const AttentionGroup& a, const T* q, int64_t valid, int64_t Rp, float scale, float* qt, Cvt cvt) {
+// qt[d * Rp + h * S + i] = q(head h, row i)[d] * scale for the valid rows: blocks of W rows x W
+// channels transposed in registers (V::transpose_square: W row loads, W stores of W lanes),
+// then the rows left (fewer than W per head) in bands of 16 channels: each row's 16 elements
+// are one read, and the band's 16 rows of qt stay in L1 while the rows go by. (Row by row over
+// all of head_dim wrote every float to a new line of qt, with the dtype switch per element: a
+// 64-row prefill diagonal block at D = 128 on Zen 4, in cache, took 0.029 ms with it, 0.022 with
+// the bands, whose scalar stores were still ~2 us of it; tools/cpp/bench_lanes_attention f32 64
+// 1 64 128.) The same products (one multiply by scale per element) either way.
+template <class V, class T, class Load, class Cvt>
+void transpose_q_as(const AttentionGroup& a, const T* q, int64_t valid, int64_t Rp, float scale, float* qt, Load load,
+                    Cvt cvt) {
+  using vf = typename V::vf;
+  constexpr int W = V::W;
   const int64_t G = a.group_size, S = a.num_rows, D = a.head_dim, hs = a.q_head_stride, rs = a.q_row_stride;
+  int64_t i_rest = 0;  // rows [i_rest, valid) of every head take the bands
+  if (D % W == 0) {
+    i_rest = valid / W * W;
+    const vf sc = V::set1(scale);
+    for (int64_t h = 0; h < G; ++h)
+      for (int64_t i0 = 0; i0 < i_rest; i0 += W)
+        for (int64_t d0 = 0; d0 < D; d0 += W) {
+          vf x[W];
+#pragma GCC unroll 16
+          for (int k = 0; k < W; ++k) x[k] = V::mul(load(q + h * hs + (i0 + k) * rs + d0), sc);
+          V::transpose_square(x);
+          float* o = qt + d0 * Rp + h * S + i0;
+#pragma GCC unroll 16
+          for (int k = 0; k < W; ++k) V::store(o + k * Rp, x[k]);
+        }
+  }
+  if (i_rest == valid) return;
   constexpr int64_t kBand = 16;
   for (int64_t d0 = 0; d0 < D; d0 += kBand) {
     const int64_t nb = std::min(kBand, D - d0);
     float* out = qt + d0 * Rp;
     for (int64_t h = 0; h < G; ++h)
-      for (int64_t i = 0; i < valid; ++i) {
+      for (int64_t i = i_rest; i < valid; ++i) {
         const T* p = q + h * hs + i * rs + d0;
         float* o = out + h * S + i;
         if (nb == kBand) {
@@ -368,20 +390,22 @@ void transpose_q_as(const AttentionGroup& a, const T* q, int64_t valid, int64_t 
       }
   }
 }
-inline void transpose_q(const AttentionGroup& a, int64_t valid, int64_t Rp, float scale, float* qt) {
+template <class V>
+void transpose_q(const AttentionGroup& a, int64_t valid, int64_t Rp, float scale, float* qt) {
+  // (lambdas, not function pointers: a pointer not folded away would need an out-of-line copy
+  // of the converter in this ISA unit, a weak symbol; see common/dtype.h)
   switch (a.dtype) {
     case DType::kFloat32:
-      transpose_q_as(a, static_cast<const float*>(a.q), valid, Rp, scale, qt, [](float x) { return x; });
+      transpose_q_as<V>(a, static_cast<const float*>(a.q), valid, Rp, scale, qt,
+                        [](const float* p) { return V::load(p); }, [](float x) { return x; });
       return;
     case DType::kFloat16:
-      // (lambdas, not function pointers: a pointer not folded away would need an out-of-line copy
-      // of the converter in this ISA unit, a weak symbol; see common/dtype.h)
-      transpose_q_as(a, static_cast<const uint16_t*>(a.q), valid, Rp, scale, qt,
-                     [](uint16_t x) { return half_to_float(x); });
+      transpose_q_as<V>(a, static_cast<const uint16_t*>(a.q), valid, Rp, scale, qt,
+                        [](const uint16_t* p) { return V::load_f16(p); }, [](uint16_t x) { return half_to_float(x); });
       return;
     case DType::kBFloat16:
-      transpose_q_as(a, static_cast<const uint16_t*>(a.q), valid, Rp, scale, qt,
-                     [](uint16_t x) { return bf16_to_float(x); });
+      transpose_q_as<V>(a, static_cast<const uint16_t*>(a.q), valid, Rp, scale, qt,
+                        [](const uint16_t* p) { return V::load_bf16(p); }, [](uint16_t x) { return bf16_to_float(x); });
       return;
   }
 }
@@ -430,7 +454,7 @@ void attend_lanes(const AttentionGroup& a, int64_t key_begin, int64_t key_end, A
         for (int64_t d = 0; d < D; d += 2) qt2[d / 2 * Rp + r] = qr[d] | static_cast<uint32_t>(qr[d + 1]) << 16;
       }
   } else {
-    transpose_q(a, valid, Rp, qscale, qt);
+    transpose_q<V>(a, valid, Rp, qscale, qt);
   }
   for (int64_t r = 0; r < Rp; ++r) {
     mloc[r] = r < R ? st->m[r] : -INFINITY;
@@ -504,7 +528,23 @@ void attend_lanes(const AttentionGroup& a, int64_t key_begin, int64_t key_end, A
 
   int64_t scaled_blk = -1;  // fixed: the block whose K scales qt8 holds
   const float* qsrc = fixed ? qt8 : qt;  // dot: qt holds the raw bf16 pairs
-  for (TileCursor tc{a, kmin, kmax, TK, es}; tc.next();) {
+  // Causal rows (no window): keys from the last TK-aligned position that every valid row sees
+  // (the block's causal frontier, where a 64-row prefill block's diagonal lies) go in tiles of
+  // kLaneFrontKeys keys, the rest in tiles of TK: the frontier tiles score and weight fewer keys
+  // no row of a row block sees (64 rows, 16-row blocks: 2560 (row, key) pairs of multiply-adds
+  // on the diagonal against 3072 with 32-key tiles, 2080 of them visible). Results do not
+  // depend on the tile size beyond rounding (the online softmax rescales per tile).
+  int64_t front = kmax;
+  if (!uniform && a.local_window_size <= 0 && a.mask.kind == MaskKind::kNone) {
+    int64_t all_hi = INT64_MAX;
+    for (int64_t b = 0; b < nblocks; ++b)
+      if (block_bits[b]) all_hi = std::min(all_hi, brange[4 * b + 1]);
+    front = std::max(kmin, std::min(kmax, all_hi / TK * TK));
+  }
+  for (int phase = 0; phase < 2; ++phase) {
+  const int tk = phase == 0 ? TK : kLaneFrontKeys;  // keys per tile of this phase
+  const int64_t p0 = phase == 0 ? kmin : front, p1 = phase == 0 ? front : kmax;
+  for (TileCursor tc{a, p0, p1, tk, es}; p0 < p1 && tc.next();) {
     const int64_t j0 = tc.j0, n = tc.n;
     if (fixed && tc.blk != scaled_blk) {
       const float* ks = a.blocks[tc.blk].key_scale;
@@ -527,18 +567,18 @@ void attend_lanes(const AttentionGroup& a, int64_t key_begin, int64_t key_end, A
     const uint16_t* kraw = nullptr;  // dot: raw bf16 K rows
     const float* vp;
     if (dot) {
-      if (n == TK) {
+      if (n == tk) {
         kraw = reinterpret_cast<const uint16_t*>(krows);
       } else {  // pad a partial tile with zeros (K rows >= n must not be read)
         uint16_t* raw = reinterpret_cast<uint16_t*>(ktile);
         std::memcpy(raw, krows, static_cast<size_t>(n * D) * sizeof(uint16_t));
-        std::memset(raw + n * D, 0, static_cast<size_t>((TK - n) * D) * sizeof(uint16_t));
+        std::memset(raw + n * D, 0, static_cast<size_t>((tk - n) * D) * sizeof(uint16_t));
         kraw = raw;
       }
-    } else if (a.dtype == DType::kFloat32 && enc == KVEncoding::kNative && n == TK) {
+    } else if (a.dtype == DType::kFloat32 && enc == KVEncoding::kNative && n == tk) {
       kp = reinterpret_cast<const float*>(krows);
     } else {  // convert (dequantize), or pad a partial tile with zeros (K rows >= n must not be read)
-      convert_k_tile<V>(a, tc, n, TK, ktile, fixed);
+      convert_k_tile<V>(a, tc, n, tk, ktile, fixed);
       kp = ktile;
     }
     if (a.dtype == DType::kFloat32 && enc == KVEncoding::kNative) {
@@ -571,11 +611,11 @@ void attend_lanes(const AttentionGroup& a, int64_t key_begin, int64_t key_end, A
       const vf sc = V::set1(capped ? 1.0f : a.scale);  // dot: capped scores are scaled in the softcap below
       const uint16_t* kr2 = dot ? kraw : nullptr;
       if (D == 128)
-        lane_tile_scores<V, 128>(live_blocks, nlive, qsrc, lbias, add_bias, Rp, kp, kr2, sc, D, ptile, &pf);
+        lane_tile_scores<V, 128>(live_blocks, nlive, qsrc, lbias, add_bias, Rp, kp, kr2, sc, D, ptile, tk, &pf);
       else if (D == 64)
-        lane_tile_scores<V, 64>(live_blocks, nlive, qsrc, lbias, add_bias, Rp, kp, kr2, sc, D, ptile, &pf);
+        lane_tile_scores<V, 64>(live_blocks, nlive, qsrc, lbias, add_bias, Rp, kp, kr2, sc, D, ptile, tk, &pf);
       else
-        lane_tile_scores<V, 0>(live_blocks, nlive, qsrc, lbias, add_bias, Rp, kp, kr2, sc, D, ptile, &pf);
+        lane_tile_scores<V, 0>(live_blocks, nlive, qsrc, lbias, add_bias, Rp, kp, kr2, sc, D, ptile, tk, &pf);
     }
 
     bool all_seen = true;  // every valid row sees every key of the tile
@@ -708,6 +748,7 @@ void attend_lanes(const AttentionGroup& a, int64_t key_begin, int64_t key_end, A
       ++len;
     }
     flush(r0, len);
+  }
   }
   for (int64_t h = 0; h < G; ++h)
     for (int64_t i = 0; i < valid; ++i) {

@@ -16,6 +16,9 @@ namespace {  // internal linkage: each ISA translation unit its own copy (attent
 // Keys per tile of the lanes path (32: halves the per-tile accumulator load/rescale/store
 // against 16, measured 5-7% faster for MQA; scratch_floats in attention_common.cc sizes for it).
 constexpr int kLaneTileKeys = 32;
+// Keys per tile of the lanes path on a causal frontier (simd_lanes.h): a multiple of 8, a power
+// of two, dividing kLaneTileKeys.
+constexpr int kLaneFrontKeys = 16;
 // Rows of the largest block the row path reads as one chunk for one query row: its K rows,
 // then its V rows (simd_rows.h). A multiple of every W; scratch_floats in
 // attention_common.cc sizes for it.

@@ -180,6 +180,15 @@ void register_block_edges() {
       c.S = 9; c.G = 3;
       run(c, seed++);
     }
+  // 16-bit prefill rows: q transposed W rows at a time in registers, the rows left one by one
+  // (40 and 77 rows: 2 / 5 full 16-row blocks, 8 / 13 rows left), causal frontiers in 16-key
+  // tiles across page ends (48-row pages).
+  for (DType t : {DType::kFloat16, DType::kBFloat16})
+    for (int64_t S : {40, 77}) {
+      Lanes c;
+      c.G = 1; c.S = S; c.dtype = t; c.P = 29; c.page = 48;
+      run(c, seed++);
+    }
 }
 
 // A NaN in one K row reaches only the rows that see it (prefill: rows before it do not),
