@@ -10,7 +10,6 @@
 
 #include "kernels/attention.h"
 #include "kernels/attention_internal.h"
-#include "kernels/simd_tiles.h"
 
 namespace olep {
 namespace kernels {
@@ -71,15 +70,13 @@ int64_t scratch_floats(const AttentionGroup& a) {
   const int64_t R = a.group_size * a.num_rows;
   // Row path: q rows (pre-converted), one K/V tile of 16 keys converted to float, 16
   // probabilities per row, rescale factors. Lanes path: q transposed with rows padded to a
-  // multiple of 16, a K/V tile of TK = simd::kLaneTileKeys keys converted to float, TK
-  // probabilities per padded row, m/l/corr per padded row.
+  // multiple of 16, the same K/V tile, 32 probabilities per padded row (tiles of 32 keys), m/l/corr per padded row.
   // Plus the row path's scores of one chunk of 1024 keys (simd::kChunkKeys) for one row.
   const int64_t Rp = R + 16;
   // Plus q times an int8 block's K scales, [R, head_dim] (row path on int8 codes).
   // Plus, for int4 blocks, a score term and a P.V term per row (row path) or per padded row (lanes).
   // Plus the lanes path's per row block key ranges (4 int64 per 16 rows and more).
-  constexpr int64_t TK = simd::kLaneTileKeys;
-  return Rp * (2 * a.head_dim + TK + 7) + TK * (a.head_dim + a.v_head_dim) + a.head_dim + a.v_head_dim + 64 + 1024;
+  return Rp * (2 * a.head_dim + 32 + 7) + 32 * (a.head_dim + a.v_head_dim) + a.head_dim + a.v_head_dim + 64 + 1024;
 }
 
 const char* isa_name(Isa isa) {

@@ -13,14 +13,9 @@ namespace kernels {
 namespace simd {
 namespace {  // internal linkage: each ISA translation unit its own copy (attention_simd.h)
 
-// Keys per tile of the lanes path: each tile loads, rescales and stores the P.V accumulators
-// of its rows once, and starts 32 P.V micro-kernel calls for 64 rows at head_dim 128. 32
-// measured 5-7% faster than 16 for MQA; 64 against 32 (Zen 4, in cache, tools/cpp/
-// bench_lanes_attention, alternating builds): MQA 32/1 4K keys fp32 0.68 -> 0.66 ms, fp16
-// 0.78-0.80 -> 0.74-0.76, bf16 0.57-0.59 -> 0.55-0.58 at AVX-512, AVX2 within noise; a 64-row
-// causal prefill block over 512 keys 0.167 -> 0.163-0.165 ms. scratch_floats in
-// attention_common.cc sizes for it.
-constexpr int kLaneTileKeys = 64;
+// Keys per tile of the lanes path (32: halves the per-tile accumulator load/rescale/store
+// against 16, measured 5-7% faster for MQA; scratch_floats in attention_common.cc sizes for it).
+constexpr int kLaneTileKeys = 32;
 // Keys per tile of the lanes path on a causal frontier (simd_lanes.h): a multiple of 8, a power
 // of two, dividing kLaneTileKeys.
 constexpr int kLaneFrontKeys = 16;
