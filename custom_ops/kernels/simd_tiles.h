@@ -16,6 +16,11 @@ namespace {  // internal linkage: each ISA translation unit its own copy (attent
 // Keys per tile of the lanes path (32: halves the per-tile accumulator load/rescale/store
 // against 16, measured 5-7% faster for MQA; scratch_floats in attention_common.cc sizes for it).
 constexpr int kLaneTileKeys = 32;
+// Tiles must divide 32: pages hold a multiple of 32 positions (kvcache/geometry.h), and a page end
+// inside a tile would split it, so the online softmax would rescale at other places than over
+// one block and paged results would part from one block's (tests/differential/
+// test_paged_vs_ort.py; 64-key tiles measured 2-4% faster in cache at AVX-512 and broke it).
+static_assert(32 % kLaneTileKeys == 0, "lanes-path tiles must divide the page-size multiple (32)");
 // Keys per tile of the lanes path on a causal frontier (simd_lanes.h): a multiple of 8, a power
 // of two, dividing kLaneTileKeys.
 constexpr int kLaneFrontKeys = 16;
