@@ -472,7 +472,9 @@ void attend_lanes(const AttentionGroup& a, int64_t key_begin, int64_t key_end, A
 
   // Lanes of each row block that hold a real, valid row.
   const int64_t nblocks = Rp / W;
-  int64_t* live_blocks = reinterpret_cast<int64_t*>(lbias + Rp);  // [Rp / W] row blocks with a visible key
+  // [Rp / W] row blocks with a visible key, 8-byte aligned (the scratch need only be float-aligned)
+  int64_t* live_blocks =
+      reinterpret_cast<int64_t*>((reinterpret_cast<uintptr_t>(lbias + Rp) + 7) & ~uintptr_t{7});
   unsigned* block_bits = reinterpret_cast<unsigned*>(live_blocks + nblocks);  // [Rp / W]
   for (int64_t b = 0; b < nblocks; ++b) {
     unsigned bits = 0;
