@@ -544,213 +544,213 @@ void attend_lanes(const AttentionGroup& a, int64_t key_begin, int64_t key_end, A
     front = std::max(kmin, std::min(kmax, all_hi / TK * TK));
   }
   for (int phase = 0; phase < 2; ++phase) {
-  const int tk = phase == 0 ? TK : kLaneFrontKeys;  // keys per tile of this phase
-  const int64_t p0 = phase == 0 ? kmin : front, p1 = phase == 0 ? front : kmax;
-  for (TileCursor tc{a, p0, p1, tk, es}; p0 < p1 && tc.next();) {
-    const int64_t j0 = tc.j0, n = tc.n;
-    if (fixed && tc.blk != scaled_blk) {
-      const float* ks = a.blocks[tc.blk].key_scale;
-      float* row = ktile;  // free until this tile's K conversion (ktile holds TK * D floats)
-      float* t = row + D;  // fixed_query_row's scratch: D floats, then D int16
-      int16_t* q16 = reinterpret_cast<int16_t*>(t + D);
-      for (int64_t r = 0; r < R; ++r) {
-        if (r % S >= valid) continue;
-        for (int64_t d = 0; d < D; ++d) row[d] = qt[d * Rp + r];
-        const float sq = fixed_query_row<V>(row, ks, D, q16, t);
-        for (int64_t d = 0; d < D; ++d) qt8[d * Rp + r] = sq * static_cast<float>(q16[d]);
-        lbias[r] = enc == KVEncoding::kInt4 ? int4_query_bias<V>(row, a.blocks[tc.blk].key_min, D) : 0.0f;
+    const int tk = phase == 0 ? TK : kLaneFrontKeys;  // keys per tile of this phase
+    const int64_t p0 = phase == 0 ? kmin : front, p1 = phase == 0 ? front : kmax;
+    for (TileCursor tc{a, p0, p1, tk, es}; p0 < p1 && tc.next();) {
+      const int64_t j0 = tc.j0, n = tc.n;
+      if (fixed && tc.blk != scaled_blk) {
+        const float* ks = a.blocks[tc.blk].key_scale;
+        float* row = ktile;  // free until this tile's K conversion (ktile holds TK * D floats)
+        float* t = row + D;  // fixed_query_row's scratch: D floats, then D int16
+        int16_t* q16 = reinterpret_cast<int16_t*>(t + D);
+        for (int64_t r = 0; r < R; ++r) {
+          if (r % S >= valid) continue;
+          for (int64_t d = 0; d < D; ++d) row[d] = qt[d * Rp + r];
+          const float sq = fixed_query_row<V>(row, ks, D, q16, t);
+          for (int64_t d = 0; d < D; ++d) qt8[d * Rp + r] = sq * static_cast<float>(q16[d]);
+          lbias[r] = enc == KVEncoding::kInt4 ? int4_query_bias<V>(row, a.blocks[tc.blk].key_min, D) : 0.0f;
+        }
+        scaled_blk = tc.blk;
       }
-      scaled_blk = tc.blk;
-    }
-    const char* krows = tc.krows;
-    const char* vrows = tc.vrows;
-    pf.reset_next(tc, D * es, Dv * es, lane_steps);  // spread over this tile's loops
-    const float* kp = nullptr;
-    const uint16_t* kraw = nullptr;  // dot: raw bf16 K rows
-    const float* vp;
-    if (dot) {
-      if (n == tk) {
-        kraw = reinterpret_cast<const uint16_t*>(krows);
-      } else {  // pad a partial tile with zeros (K rows >= n must not be read)
-        uint16_t* raw = reinterpret_cast<uint16_t*>(ktile);
-        std::memcpy(raw, krows, static_cast<size_t>(n * D) * sizeof(uint16_t));
-        std::memset(raw + n * D, 0, static_cast<size_t>((tk - n) * D) * sizeof(uint16_t));
-        kraw = raw;
+      const char* krows = tc.krows;
+      const char* vrows = tc.vrows;
+      pf.reset_next(tc, D * es, Dv * es, lane_steps);  // spread over this tile's loops
+      const float* kp = nullptr;
+      const uint16_t* kraw = nullptr;  // dot: raw bf16 K rows
+      const float* vp;
+      if (dot) {
+        if (n == tk) {
+          kraw = reinterpret_cast<const uint16_t*>(krows);
+        } else {  // pad a partial tile with zeros (K rows >= n must not be read)
+          uint16_t* raw = reinterpret_cast<uint16_t*>(ktile);
+          std::memcpy(raw, krows, static_cast<size_t>(n * D) * sizeof(uint16_t));
+          std::memset(raw + n * D, 0, static_cast<size_t>((tk - n) * D) * sizeof(uint16_t));
+          kraw = raw;
+        }
+      } else if (a.dtype == DType::kFloat32 && enc == KVEncoding::kNative && n == tk) {
+        kp = reinterpret_cast<const float*>(krows);
+      } else {  // convert (dequantize), or pad a partial tile with zeros (K rows >= n must not be read)
+        convert_k_tile<V>(a, tc, n, tk, ktile, fixed);
+        kp = ktile;
       }
-    } else if (a.dtype == DType::kFloat32 && enc == KVEncoding::kNative && n == tk) {
-      kp = reinterpret_cast<const float*>(krows);
-    } else {  // convert (dequantize), or pad a partial tile with zeros (K rows >= n must not be read)
-      convert_k_tile<V>(a, tc, n, tk, ktile, fixed);
-      kp = ktile;
-    }
-    if (a.dtype == DType::kFloat32 && enc == KVEncoding::kNative) {
-      vp = reinterpret_cast<const float*>(vrows);  // only rows < n are read
-    } else {
-      convert_v_tile<V>(a, tc, n, n, vtile);
-      vp = vtile;
-    }
-
-    // Scores of the row blocks that see any key of the tile, pairs of row vectors per
-    // micro-kernel call (lane_tile_scores).
-    int64_t nlive = 0;
-    for (int64_t b = 0; b < nblocks; ++b) {
-      const unsigned rows_bits = block_rows(b);
-      bool any = false;
-      if (uniform || rows_bits == 0 || tile_in_all(b, j0, n) || tile_off_any(b, j0, n)) {
-        any = rows_bits != 0 && !tile_off_any(b, j0, n);
+      if (a.dtype == DType::kFloat32 && enc == KVEncoding::kNative) {
+        vp = reinterpret_cast<const float*>(vrows);  // only rows < n are read
       } else {
-        for (int lane = 0; lane < W && !any; ++lane) {
-          if (!(rows_bits >> lane & 1u)) continue;
-          int64_t lo, hi;
-          detail::visible_range(a, (b * W + lane) % S, &lo, &hi);
-          any = std::max(j0, lo) < std::min(j0 + n, hi);
-        }
+        convert_v_tile<V>(a, tc, n, n, vtile);
+        vp = vtile;
       }
-      if (any) live_blocks[nlive++] = b;
-    }
-    {
-      const bool add_bias = fixed && enc == KVEncoding::kInt4;
-      const vf sc = V::set1(capped ? 1.0f : a.scale);  // dot: capped scores are scaled in the softcap below
-      const uint16_t* kr2 = dot ? kraw : nullptr;
-      if (D == 128)
-        lane_tile_scores<V, 128>(live_blocks, nlive, qsrc, lbias, add_bias, Rp, kp, kr2, sc, D, ptile, tk, &pf);
-      else if (D == 64)
-        lane_tile_scores<V, 64>(live_blocks, nlive, qsrc, lbias, add_bias, Rp, kp, kr2, sc, D, ptile, tk, &pf);
-      else
-        lane_tile_scores<V, 0>(live_blocks, nlive, qsrc, lbias, add_bias, Rp, kp, kr2, sc, D, ptile, tk, &pf);
-    }
 
-    bool all_seen = true;  // every valid row sees every key of the tile
-    for (int64_t b = 0; b < nblocks; ++b) {
-      const int64_t rb = b * W;
-      bool capped_done = false;
-      // Every valid row of the block sees every key of the tile (no causal edge, window or
-      // range end inside it).
-      if (block_bits[b] != 0 && tile_in_all(b, j0, n)) {
-        // Fast path: scores finite in every lane (else the general path below sorts out NaN,
-        // +inf and -inf): tile max, rescale factor, probabilities and their sum in two passes.
-        const vf sa = V::set1(a.scale), inv_cap = V::set1(capped ? 1.0f / a.softcap : 0.0f);
-        const vf cap = V::set1(a.softcap);
-        vf mt = neg_inf;
-        unsigned bad = 0;
-        for (int t = 0; t < n; ++t) {
-          vf x = V::load(ptile + t * Rp + rb);
-          if (capped) {
-            x = V::mul(cap, tanh_v<V>(V::mul(V::mul(x, sa), inv_cap)));
-            V::store(ptile + t * Rp + rb, x);
+      // Scores of the row blocks that see any key of the tile, pairs of row vectors per
+      // micro-kernel call (lane_tile_scores).
+      int64_t nlive = 0;
+      for (int64_t b = 0; b < nblocks; ++b) {
+        const unsigned rows_bits = block_rows(b);
+        bool any = false;
+        if (uniform || rows_bits == 0 || tile_in_all(b, j0, n) || tile_off_any(b, j0, n)) {
+          any = rows_bits != 0 && !tile_off_any(b, j0, n);
+        } else {
+          for (int lane = 0; lane < W && !any; ++lane) {
+            if (!(rows_bits >> lane & 1u)) continue;
+            int64_t lo, hi;
+            detail::visible_range(a, (b * W + lane) % S, &lo, &hi);
+            any = std::max(j0, lo) < std::min(j0 + n, hi);
           }
-          bad |= ~V::le_bits(V::abs(x), FLT_MAX);  // NaN, +-inf
-          mt = V::max(mt, x);
         }
-        if (!(bad & block_bits[b])) {
-          const vf mo = V::load(mloc + rb);
-          const vf mn = V::max(mo, mt);  // finite in the rows' lanes
-          const vf c = V::exp(V::sub(mo, mn));
-          vf lsum = V::zero();
+        if (any) live_blocks[nlive++] = b;
+      }
+      {
+        const bool add_bias = fixed && enc == KVEncoding::kInt4;
+        const vf sc = V::set1(capped ? 1.0f : a.scale);  // dot: capped scores are scaled in the softcap below
+        const uint16_t* kr2 = dot ? kraw : nullptr;
+        if (D == 128)
+          lane_tile_scores<V, 128>(live_blocks, nlive, qsrc, lbias, add_bias, Rp, kp, kr2, sc, D, ptile, tk, &pf);
+        else if (D == 64)
+          lane_tile_scores<V, 64>(live_blocks, nlive, qsrc, lbias, add_bias, Rp, kp, kr2, sc, D, ptile, tk, &pf);
+        else
+          lane_tile_scores<V, 0>(live_blocks, nlive, qsrc, lbias, add_bias, Rp, kp, kr2, sc, D, ptile, tk, &pf);
+      }
+
+      bool all_seen = true;  // every valid row sees every key of the tile
+      for (int64_t b = 0; b < nblocks; ++b) {
+        const int64_t rb = b * W;
+        bool capped_done = false;
+        // Every valid row of the block sees every key of the tile (no causal edge, window or
+        // range end inside it).
+        if (block_bits[b] != 0 && tile_in_all(b, j0, n)) {
+          // Fast path: scores finite in every lane (else the general path below sorts out NaN,
+          // +inf and -inf): tile max, rescale factor, probabilities and their sum in two passes.
+          const vf sa = V::set1(a.scale), inv_cap = V::set1(capped ? 1.0f / a.softcap : 0.0f);
+          const vf cap = V::set1(a.softcap);
+          vf mt = neg_inf;
+          unsigned bad = 0;
           for (int t = 0; t < n; ++t) {
-            const vf pt = V::exp(V::sub(V::load(ptile + t * Rp + rb), mn));
-            lsum = V::add(lsum, pt);
-            V::store(ptile + t * Rp + rb, pt);
+            vf x = V::load(ptile + t * Rp + rb);
+            if (capped) {
+              x = V::mul(cap, tanh_v<V>(V::mul(V::mul(x, sa), inv_cap)));
+              V::store(ptile + t * Rp + rb, x);
+            }
+            bad |= ~V::le_bits(V::abs(x), FLT_MAX);  // NaN, +-inf
+            mt = V::max(mt, x);
           }
-          V::store(lloc + rb, V::fma(V::load(lloc + rb), c, lsum));
-          V::store(mloc + rb, mn);
-          V::store(corr + rb, c);
+          if (!(bad & block_bits[b])) {
+            const vf mo = V::load(mloc + rb);
+            const vf mn = V::max(mo, mt);  // finite in the rows' lanes
+            const vf c = V::exp(V::sub(mo, mn));
+            vf lsum = V::zero();
+            for (int t = 0; t < n; ++t) {
+              const vf pt = V::exp(V::sub(V::load(ptile + t * Rp + rb), mn));
+              lsum = V::add(lsum, pt);
+              V::store(ptile + t * Rp + rb, pt);
+            }
+            V::store(lloc + rb, V::fma(V::load(lloc + rb), c, lsum));
+            V::store(mloc + rb, mn);
+            V::store(corr + rb, c);
+            continue;
+          }
+          capped_done = capped;  // the general path below must not cap again
+        }
+        // live[t]: lanes for which key j0 + t is visible.
+        unsigned live[TK];
+        const unsigned rows_bits = block_rows(b);
+        if (uniform) {
+          for (int t = 0; t < TK; ++t) live[t] = (t < n && j0 + t >= ulo && j0 + t < uhi) ? rows_bits : 0u;
+        } else {
+          for (int t = 0; t < TK; ++t) live[t] = 0;
+          for (int lane = 0; lane < W; ++lane) {
+            if (!(rows_bits >> lane & 1u)) continue;
+            int64_t lo, hi;
+            detail::visible_range(a, (rb + lane) % S, &lo, &hi);
+            const int64_t t0 = std::max<int64_t>(lo - j0, 0), t1 = std::min<int64_t>(hi - j0, n);
+            for (int64_t t = t0; t < t1; ++t) live[t] |= 1u << lane;
+          }
+        }
+        unsigned any = 0;
+        for (int t = 0; t < TK; ++t) any |= live[t];
+        for (int t = 0; t < n; ++t)
+          if (live[t] != rows_bits) all_seen = false;
+        if (!any) {
+          V::store(corr + rb, V::set1(1.0f));
+          for (int t = 0; t < n; ++t) V::store(ptile + t * Rp + rb, V::set1(kUnseen));
           continue;
         }
-        capped_done = capped;  // the general path below must not cap again
+
+        // Online softmax, lane-wise.
+        unsigned nan_lanes = 0;
+        vf mt = neg_inf;
+        for (int t = 0; t < n; ++t) {
+          vf x = V::load(ptile + t * Rp + rb);
+          if (capped && !capped_done) {
+            const vf y = V::mul(x, V::set1(a.scale));
+            x = V::mul(V::set1(a.softcap), tanh_v<V>(V::mul(y, V::set1(1.0f / a.softcap))));
+            V::store(ptile + t * Rp + rb, x);
+          }
+          // NaN or +inf (from q or k): the row's result is NaN, as in ONNX Attention
+          nan_lanes |= ~V::le_bits(x, FLT_MAX) & live[t];
+        }
+        for (int t = 0; t < n; ++t) {
+          const vf x = V::load(ptile + t * Rp + rb);
+          live[t] &= ~nan_lanes & ~V::le_bits(x, -INFINITY);  // a -inf score contributes nothing
+          if (live[t] != rows_bits) all_seen = false;
+          mt = V::max(mt, V::select(live[t], x, neg_inf));
+        }
+        const vf mo = V::load(mloc + rb);
+        const vf mn = V::max(mo, mt);
+        const vf mref = V::max(mn, V::set1(-FLT_MAX));  // finite even where nothing is visible yet
+        const vf c = V::exp(V::sub(mo, mref));
+        vf lsum = V::zero();
+        for (int t = 0; t < n; ++t) {
+          const vf p = V::select(live[t], V::exp(V::sub(V::load(ptile + t * Rp + rb), mref)), V::set1(kUnseen));
+          lsum = V::add(lsum, p);
+          V::store(ptile + t * Rp + rb, p);
+        }
+        vf l = V::fma(V::load(lloc + rb), c, lsum);
+        l = V::select(nan_lanes, V::set1(NAN), l);
+        V::store(lloc + rb, l);
+        V::store(mloc + rb, mn);
+        V::store(corr + rb, c);
       }
-      // live[t]: lanes for which key j0 + t is visible.
-      unsigned live[TK];
-      const unsigned rows_bits = block_rows(b);
-      if (uniform) {
-        for (int t = 0; t < TK; ++t) live[t] = (t < n && j0 + t >= ulo && j0 + t < uhi) ? rows_bits : 0u;
-      } else {
-        for (int t = 0; t < TK; ++t) live[t] = 0;
-        for (int lane = 0; lane < W; ++lane) {
-          if (!(rows_bits >> lane & 1u)) continue;
+
+      // P.V: runs of consecutive rows (h * S + i) that see the tile, in blocks of up to RB rows
+      // (lane_pv_take), each V vector loaded once per block. Rows that see no key of the tile
+      // (prefill rows before it, outside their window) keep their accumulators.
+      auto flush = [&](int64_t r0, int64_t len) {
+        while (len > 0) {
+          const int nr = lane_pv_take<RB>(len);
+          if (all_seen) lane_pv_flush<V, false>(st->acc, r0, nr, Dv, vp, ptile, Rp, n, corr, &pf);
+          else lane_pv_flush<V, true>(st->acc, r0, nr, Dv, vp, ptile, Rp, n, corr, &pf);
+          r0 += nr;
+          len -= nr;
+        }
+      };
+      int64_t r0 = 0, len = 0;
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t i = r % S;
+        bool sees = i < valid;
+        if (sees && !uniform && !tile_in_all(r / W, j0, n)) {
           int64_t lo, hi;
-          detail::visible_range(a, (rb + lane) % S, &lo, &hi);
-          const int64_t t0 = std::max<int64_t>(lo - j0, 0), t1 = std::min<int64_t>(hi - j0, n);
-          for (int64_t t = t0; t < t1; ++t) live[t] |= 1u << lane;
+          detail::visible_range(a, i, &lo, &hi);
+          sees = std::max(j0, lo) < std::min(j0 + n, hi);
         }
-      }
-      unsigned any = 0;
-      for (int t = 0; t < TK; ++t) any |= live[t];
-      for (int t = 0; t < n; ++t)
-        if (live[t] != rows_bits) all_seen = false;
-      if (!any) {
-        V::store(corr + rb, V::set1(1.0f));
-        for (int t = 0; t < n; ++t) V::store(ptile + t * Rp + rb, V::set1(kUnseen));
-        continue;
-      }
-
-      // Online softmax, lane-wise.
-      unsigned nan_lanes = 0;
-      vf mt = neg_inf;
-      for (int t = 0; t < n; ++t) {
-        vf x = V::load(ptile + t * Rp + rb);
-        if (capped && !capped_done) {
-          const vf y = V::mul(x, V::set1(a.scale));
-          x = V::mul(V::set1(a.softcap), tanh_v<V>(V::mul(y, V::set1(1.0f / a.softcap))));
-          V::store(ptile + t * Rp + rb, x);
+        if (!sees) {
+          flush(r0, len);
+          r0 = r + 1;
+          len = 0;
+          continue;
         }
-        // NaN or +inf (from q or k): the row's result is NaN, as in ONNX Attention
-        nan_lanes |= ~V::le_bits(x, FLT_MAX) & live[t];
+        ++len;
       }
-      for (int t = 0; t < n; ++t) {
-        const vf x = V::load(ptile + t * Rp + rb);
-        live[t] &= ~nan_lanes & ~V::le_bits(x, -INFINITY);  // a -inf score contributes nothing
-        if (live[t] != rows_bits) all_seen = false;
-        mt = V::max(mt, V::select(live[t], x, neg_inf));
-      }
-      const vf mo = V::load(mloc + rb);
-      const vf mn = V::max(mo, mt);
-      const vf mref = V::max(mn, V::set1(-FLT_MAX));  // finite even where nothing is visible yet
-      const vf c = V::exp(V::sub(mo, mref));
-      vf lsum = V::zero();
-      for (int t = 0; t < n; ++t) {
-        const vf p = V::select(live[t], V::exp(V::sub(V::load(ptile + t * Rp + rb), mref)), V::set1(kUnseen));
-        lsum = V::add(lsum, p);
-        V::store(ptile + t * Rp + rb, p);
-      }
-      vf l = V::fma(V::load(lloc + rb), c, lsum);
-      l = V::select(nan_lanes, V::set1(NAN), l);
-      V::store(lloc + rb, l);
-      V::store(mloc + rb, mn);
-      V::store(corr + rb, c);
+      flush(r0, len);
     }
-
-    // P.V: runs of consecutive rows (h * S + i) that see the tile, in blocks of up to RB rows
-    // (lane_pv_take), each V vector loaded once per block. Rows that see no key of the tile
-    // (prefill rows before it, outside their window) keep their accumulators.
-    auto flush = [&](int64_t r0, int64_t len) {
-      while (len > 0) {
-        const int nr = lane_pv_take<RB>(len);
-        if (all_seen) lane_pv_flush<V, false>(st->acc, r0, nr, Dv, vp, ptile, Rp, n, corr, &pf);
-        else lane_pv_flush<V, true>(st->acc, r0, nr, Dv, vp, ptile, Rp, n, corr, &pf);
-        r0 += nr;
-        len -= nr;
-      }
-    };
-    int64_t r0 = 0, len = 0;
-    for (int64_t r = 0; r < R; ++r) {
-      const int64_t i = r % S;
-      bool sees = i < valid;
-      if (sees && !uniform && !tile_in_all(r / W, j0, n)) {
-        int64_t lo, hi;
-        detail::visible_range(a, i, &lo, &hi);
-        sees = std::max(j0, lo) < std::min(j0 + n, hi);
-      }
-      if (!sees) {
-        flush(r0, len);
-        r0 = r + 1;
-        len = 0;
-        continue;
-      }
-      ++len;
-    }
-    flush(r0, len);
-  }
   }
   for (int64_t h = 0; h < G; ++h)
     for (int64_t i = 0; i < valid; ++i) {
