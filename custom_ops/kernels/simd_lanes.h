@@ -356,22 +356,20 @@ void transpose_q_as(const AttentionGroup& a, const T* q, int64_t valid, int64_t 
   using vf = typename V::vf;
   constexpr int W = V::W;
   const int64_t G = a.group_size, S = a.num_rows, D = a.head_dim, hs = a.q_head_stride, rs = a.q_row_stride;
-  int64_t i_rest = 0;  // rows [i_rest, valid) of every head take the bands
-  if (D % W == 0) {
-    i_rest = valid / W * W;
-    const vf sc = V::set1(scale);
-    for (int64_t h = 0; h < G; ++h)
-      for (int64_t i0 = 0; i0 < i_rest; i0 += W)
-        for (int64_t d0 = 0; d0 < D; d0 += W) {
-          vf x[W];
+  // (head_dim is a multiple of W on this path: attend_range sends other sizes to the scalar level)
+  const int64_t i_rest = valid / W * W;  // rows [i_rest, valid) of every head take the bands
+  const vf sc = V::set1(scale);
+  for (int64_t h = 0; h < G; ++h)
+    for (int64_t i0 = 0; i0 < i_rest; i0 += W)
+      for (int64_t d0 = 0; d0 < D; d0 += W) {
+        vf x[W];
 #pragma GCC unroll 16
-          for (int k = 0; k < W; ++k) x[k] = V::mul(load(q + h * hs + (i0 + k) * rs + d0), sc);
-          V::transpose_square(x);
-          float* o = qt + d0 * Rp + h * S + i0;
+        for (int k = 0; k < W; ++k) x[k] = V::mul(load(q + h * hs + (i0 + k) * rs + d0), sc);
+        V::transpose_square(x);
+        float* o = qt + d0 * Rp + h * S + i0;
 #pragma GCC unroll 16
-          for (int k = 0; k < W; ++k) V::store(o + k * Rp, x[k]);
-        }
-  }
+        for (int k = 0; k < W; ++k) V::store(o + k * Rp, x[k]);
+      }
   if (i_rest == valid) return;
   constexpr int64_t kBand = 16;
   for (int64_t d0 = 0; d0 < D; d0 += kBand) {
@@ -537,7 +535,7 @@ void attend_lanes(const AttentionGroup& a, int64_t key_begin, int64_t key_end, A
   // on the diagonal against 3072 with 32-key tiles, 2080 of them visible). Results do not
   // depend on the tile size beyond rounding (the online softmax rescales per tile).
   int64_t front = kmax;
-  if (!uniform && a.local_window_size <= 0 && a.mask.kind == MaskKind::kNone) {
+  if (!uniform && a.local_window_size <= 0) {  // (the lanes path has no mask tensor)
     int64_t all_hi = INT64_MAX;
     for (int64_t b = 0; b < nblocks; ++b)
       if (block_bits[b]) all_hi = std::min(all_hi, brange[4 * b + 1]);
