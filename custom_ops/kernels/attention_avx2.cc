@@ -169,16 +169,25 @@ struct Avx2 {
       x[k + 4] = _mm256_permute2f128_ps(u[k], u[k + 4], 0x31);
     }
   }
-  __attribute__((always_inline)) static vf transpose_reduce(const vf* acc) {
+  // sum2(a, b) adds two vectors lane-wise: float lanes (add) or int32 lanes (add_i32).
+  template <class Sum>
+  __attribute__((always_inline)) static vf transpose_reduce_by(const vf* acc, Sum sum2) {
     vf w[4];
     for (int k = 0; k < 4; ++k)
-      w[k] = add(_mm256_unpacklo_ps(acc[2 * k], acc[2 * k + 1]), _mm256_unpackhi_ps(acc[2 * k], acc[2 * k + 1]));
+      w[k] = sum2(_mm256_unpacklo_ps(acc[2 * k], acc[2 * k + 1]), _mm256_unpackhi_ps(acc[2 * k], acc[2 * k + 1]));
     vf x[2];
     for (int k = 0; k < 2; ++k) {
       const __m256d a = _mm256_castps_pd(w[2 * k]), b = _mm256_castps_pd(w[2 * k + 1]);
-      x[k] = add(_mm256_castpd_ps(_mm256_unpacklo_pd(a, b)), _mm256_castpd_ps(_mm256_unpackhi_pd(a, b)));
+      x[k] = sum2(_mm256_castpd_ps(_mm256_unpacklo_pd(a, b)), _mm256_castpd_ps(_mm256_unpackhi_pd(a, b)));
     }
-    return add(_mm256_permute2f128_ps(x[0], x[1], 0x20), _mm256_permute2f128_ps(x[0], x[1], 0x31));
+    return sum2(_mm256_permute2f128_ps(x[0], x[1], 0x20), _mm256_permute2f128_ps(x[0], x[1], 0x31));
+  }
+  __attribute__((always_inline)) static vf transpose_reduce(const vf* acc) {
+    return transpose_reduce_by(acc, [](vf a, vf b) { return add(a, b); });
+  }
+  // The same over int32 lanes carried in a vf (exact sums), converted to float once at the end.
+  __attribute__((always_inline)) static vf transpose_reduce_i32(const vf* acc) {
+    return cvt_i32(transpose_reduce_by(acc, [](vf a, vf b) { return add_i32(a, b); }));
   }
 };
 

@@ -159,19 +159,28 @@ struct Avx512 {
       x[k + 12] = _mm512_shuffle_f32x4(b, d, 0xdd);
     }
   }
-  __attribute__((always_inline)) static vf transpose_reduce(const vf* acc) {
+  // sum2(a, b) adds two vectors lane-wise: float lanes (add) or int32 lanes (add_i32).
+  template <class Sum>
+  __attribute__((always_inline)) static vf transpose_reduce_by(const vf* acc, Sum sum2) {
     vf w[8];
     for (int k = 0; k < 8; ++k)
-      w[k] = add(_mm512_unpacklo_ps(acc[2 * k], acc[2 * k + 1]), _mm512_unpackhi_ps(acc[2 * k], acc[2 * k + 1]));
+      w[k] = sum2(_mm512_unpacklo_ps(acc[2 * k], acc[2 * k + 1]), _mm512_unpackhi_ps(acc[2 * k], acc[2 * k + 1]));
     vf x[4];
     for (int k = 0; k < 4; ++k) {
       const __m512d a = _mm512_castps_pd(w[2 * k]), b = _mm512_castps_pd(w[2 * k + 1]);
-      x[k] = add(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+      x[k] = sum2(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
     }
     // x[k] lane L (128-bit) holds partial sums of acc[4k..4k+3] over lanes 4L..4L+3.
-    const vf y = add(_mm512_shuffle_f32x4(x[0], x[1], 0x88), _mm512_shuffle_f32x4(x[0], x[1], 0xdd));
-    const vf z = add(_mm512_shuffle_f32x4(x[2], x[3], 0x88), _mm512_shuffle_f32x4(x[2], x[3], 0xdd));
-    return add(_mm512_shuffle_f32x4(y, z, 0x88), _mm512_shuffle_f32x4(y, z, 0xdd));
+    const vf y = sum2(_mm512_shuffle_f32x4(x[0], x[1], 0x88), _mm512_shuffle_f32x4(x[0], x[1], 0xdd));
+    const vf z = sum2(_mm512_shuffle_f32x4(x[2], x[3], 0x88), _mm512_shuffle_f32x4(x[2], x[3], 0xdd));
+    return sum2(_mm512_shuffle_f32x4(y, z, 0x88), _mm512_shuffle_f32x4(y, z, 0xdd));
+  }
+  __attribute__((always_inline)) static vf transpose_reduce(const vf* acc) {
+    return transpose_reduce_by(acc, [](vf a, vf b) { return add(a, b); });
+  }
+  // The same over int32 lanes carried in a vf (exact sums), converted to float once at the end.
+  __attribute__((always_inline)) static vf transpose_reduce_i32(const vf* acc) {
+    return cvt_i32(transpose_reduce_by(acc, [](vf a, vf b) { return add_i32(a, b); }));
   }
 };
 

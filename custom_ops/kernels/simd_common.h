@@ -191,7 +191,8 @@ struct LoadBF16 {
 // (VDPBF16PS: two exact bf16 products per float lane), 2 * W elements per vector.
 // I16Dot (int8 blocks): q in 16-bit fixed point (detail::int8_query) times K codes widened to
 // int16, exact int32 pair sums (V::dot_i16), 2 * W elements per vector.
-// add() sums two partial accumulators, finish() turns an accumulator into float lanes.
+// add() sums two partial accumulators; reduce(acc) turns W accumulators into one vector of their
+// W totals as float (I16Dot: exact int32 totals, each converted once).
 template <class V, class KL>
 struct FloatDot {
   using vf = typename V::vf;
@@ -203,7 +204,7 @@ struct FloatDot {
   static vf mul(vf q, vf k) { return V::mul(q, k); }
   static vf madd(vf acc, vf q, vf k) { return V::fma(q, k, acc); }
   static vf add(vf a, vf b) { return V::add(a, b); }
-  static vf finish(vf a) { return a; }
+  static vf reduce(const vf* acc) { return V::transpose_reduce(acc); }
 };
 template <class V>
 struct I16Dot {
@@ -216,7 +217,7 @@ struct I16Dot {
   static vf mul(vf q, vf k) { return V::dot_i16(V::zero(), q, k); }
   static vf madd(vf acc, vf q, vf k) { return V::dot_i16(acc, q, k); }
   static vf add(vf a, vf b) { return V::add_i32(a, b); }
-  static vf finish(vf a) { return V::cvt_i32(a); }
+  static vf reduce(const vf* acc) { return V::transpose_reduce_i32(acc); }
 };
 template <class V>
 struct Bf16Dot {
@@ -229,7 +230,7 @@ struct Bf16Dot {
   static vf mul(vf q, vf k) { return V::dot_bf16(V::zero(), q, k); }
   static vf madd(vf acc, vf q, vf k) { return V::dot_bf16(acc, q, k); }
   static vf add(vf a, vf b) { return V::add(a, b); }
-  static vf finish(vf a) { return a; }
+  static vf reduce(const vf* acc) { return V::transpose_reduce(acc); }
 };
 
 

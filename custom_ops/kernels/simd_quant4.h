@@ -61,9 +61,9 @@ OLEP_COLD_REGS void scores_i4_walk_d(const int16_t* q, int64_t Drt, const uint8_
       a0 = V::idot(a0, qlo, V::ilow_nibbles(x));
       a1 = V::idot(a1, qhi, V::ihigh_nibbles(x));
     }
-    acc[t] = V::icvt(V::iadd(a0, a1));
+    acc[t] = V::cf(V::iadd(a0, a1));
   }
-  V::store(out, V::transpose_reduce(acc));
+  V::store(out, V::transpose_reduce_i32(acc));  // exact int32 totals, each converted once
 }
 template <class V>
 OLEP_HOT void scores_i4_walk(const int16_t* q, int64_t D, const uint8_t* kp, float* out, TilePrefetch* pf) {
@@ -102,9 +102,7 @@ OLEP_COLD_REGS void scores_i4_rows(const int16_t* q16, int64_t D, const uint8_t*
         for (int tt = 0; tt < KB; ++tt) acc[rr * KB + tt] = V::dot_i16(V::dot_i16(acc[rr * KB + tt], ql, lo[tt]), qh, hi[tt]);
       }
     }
-#pragma GCC unroll 16
-    for (int e = 0; e < W; ++e) acc[e] = V::cvt_i32(acc[e]);
-    V::store(x[g], V::transpose_reduce(acc));
+    V::store(x[g], V::transpose_reduce_i32(acc));  // exact int32 totals, each converted once
   }
   for (int rr = 0; rr < RB; ++rr)
     for (int g = 0; g < RB; ++g) std::memcpy(ptile + rows[rr] * W + g * KB, &x[g][rr * KB], KB * sizeof(float));

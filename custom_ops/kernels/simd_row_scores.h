@@ -82,9 +82,7 @@ OLEP_COLD_REGS void scores_rows(const typename Dot::qelem* qf, int64_t D, const 
       pf->step();
       for (; d < D; d += E) iter(d);
     }
-#pragma GCC unroll 16
-    for (int e = 0; e < W; ++e) acc[e] = Dot::finish(acc[e]);
-    V::store(x[g], V::transpose_reduce(acc));
+    V::store(x[g], Dot::reduce(acc));
   }
   *pf_io = local;
   for (int rr = 0; rr < RB; ++rr)
@@ -113,9 +111,9 @@ OLEP_COLD_REGS void scores_row_walk_d(const typename Dot::qelem* q, int64_t Drt,
       a0 = Dot::madd(a0, Dot::load_q(q + d + E), Dot::load_k(kr + d + E));
     }
     if (d < D) a1 = Dot::madd(a1, Dot::load_q(q + d), Dot::load_k(kr + d));
-    acc[t] = Dot::finish(Dot::add(a0, a1));
+    acc[t] = Dot::add(a0, a1);
   }
-  V::store(out, V::transpose_reduce(acc));
+  V::store(out, Dot::reduce(acc));
 }
 template <class V, class Dot>
 OLEP_HOT void scores_row_walk(const typename Dot::qelem* q, int64_t D, const typename Dot::kelem* kp, float* out,
