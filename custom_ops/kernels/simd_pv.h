@@ -207,7 +207,13 @@ OLEP_HOT void pv_block_i16(float* const* acc, const int16_t* const* words, const
   }
 #pragma GCC unroll 4
   for (int rr = 0; rr < RB; ++rr) {
-    const vf c = V::set1(corr[rr]), ws = V::set1(wscale[rr]), wp = V::set1(wpre[rr]);
+    const vf ws = V::set1(wscale[rr]);
+    if (corr[rr] == 1.0f && wpre[rr] == 1.0f) {  // the usual tile: the max did not move, no pre-scale
+#pragma GCC unroll 8
+      for (int u = 0; u < NU; ++u) V::store(acc[rr] + u * W, V::fma(V::icvt(s[rr][u]), ws, V::load(acc[rr] + u * W)));
+      continue;
+    }
+    const vf c = V::set1(corr[rr]), wp = V::set1(wpre[rr]);
 #pragma GCC unroll 8
     for (int u = 0; u < NU; ++u)
       V::store(acc[rr] + u * W, V::fma(V::mul(V::icvt(s[rr][u]), ws), wp, V::mul(V::load(acc[rr] + u * W), c)));

@@ -147,14 +147,17 @@ OLEP_HOT void pv_block_i4(float* const* acc, const int16_t* const* words, const 
   }
 #pragma GCC unroll 4
   for (int rr = 0; rr < RB; ++rr) {
-    const vf c = V::set1(corr[rr]), ws = V::set1(wscale[rr]), wp = V::set1(wpre[rr]), vb = V::set1(vbias[rr]);
+    const vf ws = V::set1(wscale[rr]), vb = V::set1(vbias[rr]);
+    const bool plain = corr[rr] == 1.0f && wpre[rr] == 1.0f;  // the usual tile: no rescale, no pre-scale
+    const vf c = V::set1(corr[rr]), wp = V::set1(wpre[rr]);
 #pragma GCC unroll 8
     for (int u = 0; u < NU; ++u) {
       // load L = load0 + u: 32-channel group L / (16 / W), W-channel slot L % (16 / W)
       const int64_t L = load0 + u, base = 32 * (L / (16 / W)) + W * (L % (16 / W));
       for (int half = 0; half < 2; ++half) {
         float* o = acc[rr] + base + 16 * half;
-        V::store(o, V::add(V::fma(V::mul(V::icvt(s[rr][2 * u + half]), ws), wp, V::mul(V::load(o), c)), vb));
+        const vf x = V::icvt(s[rr][2 * u + half]);
+        V::store(o, V::add(plain ? V::fma(x, ws, V::load(o)) : V::fma(V::mul(x, ws), wp, V::mul(V::load(o), c)), vb));
       }
     }
   }
