@@ -6,6 +6,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "kernels/row_copy.h"
 #include "kvcache/errors.h"
 
 namespace olep {
@@ -117,6 +118,9 @@ void StepTransaction::write(int64_t layer, const CacheContent& c, const NewRows&
         copied_ += valid * static_cast<int64_t>(krow + vrow);
       }
     }
+    // A long append (a prefill chunk) streams its rows past the caches (kernels::copy_rows);
+    // a decode step's few rows stay cached for the attention that reads them next.
+    const bool streaming = n >= kernels::kStreamCopyRows;
     for (int64_t h = 0; h < H; ++h) {
       const char* ks = static_cast<const char*>(rows.key) +
                        static_cast<size_t>(b * rows.key_strides[0] + h * rows.key_strides[1]) * es;
@@ -140,16 +144,13 @@ void StepTransaction::write(int64_t layer, const CacheContent& c, const NewRows&
         char* vd = pg->data + voff + static_cast<size_t>(row) * vrow;
         const char* kr = ks + static_cast<size_t>(s) * ks_row;
         const char* vr = vs + static_cast<size_t>(s) * vs_row;
-        if (ks_row == krow) std::memcpy(kd, kr, static_cast<size_t>(cnt) * krow);
-        else
-          for (int64_t i = 0; i < cnt; ++i) std::memcpy(kd + static_cast<size_t>(i) * krow, kr + i * ks_row, krow);
-        if (vs_row == vrow) std::memcpy(vd, vr, static_cast<size_t>(cnt) * vrow);
-        else
-          for (int64_t i = 0; i < cnt; ++i) std::memcpy(vd + static_cast<size_t>(i) * vrow, vr + i * vs_row, vrow);
+        kernels::copy_rows(kd, kr, cnt, krow, ks_row, streaming);
+        kernels::copy_rows(vd, vr, cnt, vrow, vs_row, streaming);
         s += cnt;
       }
     }
   }
+  kernels::stream_fence();  // the streamed rows before anything reads the pages
   next_layer_ = layer + 1;
 }
 
