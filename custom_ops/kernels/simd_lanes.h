@@ -172,15 +172,50 @@ constexpr int lane_score_keys() {
   return 4;
 }
 
+// Row vectors per score micro-kernel call while `left` row vectors remain: 3 at 16 registers
+// (3 x 4 sums, 3 q vectors and a broadcast fill them; 7 loads per 12 FMAs against 2 x 4's 6 per
+// 8) unless that would leave a lone row vector (4 left: 2 + 2); 2 otherwise; 1 for the last.
+// The same sums either way (each score is one accumulator's). Zen 4 at the AVX2 level, a 64-row
+// causal prefill block over 512 keys in cache (tools/cpp/bench_lanes_attention f32 512 1 64 128
+// 200 256, hot, 3 runs, min): 0.209 ms with pairs, 0.198-0.200 with 3 + 3 + 2.
+template <class V>
+constexpr int lane_score_rows(int64_t left) {
+  if (left >= 3 && V::kRegs <= 16 && left != 4) return 3;
+  return left >= 2 ? 2 : static_cast<int>(left);
+}
+
+// pf.step() calls of lane_tile_scores for nb row vectors, tk keys and dblocks head_dim blocks.
+template <class V>
+constexpr int64_t lane_score_steps(int64_t nb, int64_t tk, int64_t dblocks) {
+  int64_t steps = 0;
+  for (int64_t left = nb; left > 0;) {
+    const int m = lane_score_rows<V>(left);
+    steps += (m == 1 ? tk / 8 : tk / lane_score_keys<V>()) * dblocks;
+    left -= m;
+  }
+  return steps;
+}
+
 // The scores of the row vectors blk[0..nb) (row block indices, any order) for the first nk keys
-// (nk: a multiple of 8, at most TK) of a tile (keys past its n padded with zero K rows): pairs of
-// row vectors, then a single one.
+// (nk: a multiple of 8, at most TK) of a tile (keys past its n padded with zero K rows): groups of
+// lane_score_rows row vectors.
 template <class V, int64_t DC>
 OLEP_HOT void lane_tile_scores(const int64_t* blk, int64_t nb, const float* qsrc, const float* lbias, bool add_bias,
                                int64_t Rp, const float* kp, const uint16_t* kraw, typename V::vf sc, int64_t D,
                                float* ptile, int nk, TilePrefetch* pf) {
   constexpr int W = V::W, NK = lane_score_keys<V>(), NK1 = 8;
   int64_t i = 0;
+  if constexpr (!V::kBf16Dot) {
+    for (; lane_score_rows<V>(nb - i) == 3; i += 3) {
+      const float* qc[3] = {qsrc + blk[i] * W, qsrc + blk[i + 1] * W, qsrc + blk[i + 2] * W};
+      const float* lb[3] = {lbias + blk[i] * W, lbias + blk[i + 1] * W, lbias + blk[i + 2] * W};
+      for (int k0 = 0; k0 < nk; k0 += NK) {
+        float* out[3] = {ptile + k0 * Rp + blk[i] * W, ptile + k0 * Rp + blk[i + 1] * W,
+                         ptile + k0 * Rp + blk[i + 2] * W};
+        lane_scores<V, 3, NK, DC>(qc, Rp, kp + k0 * D, D, out, add_bias ? lb : nullptr, pf);
+      }
+    }
+  }
   for (; i + 2 <= nb; i += 2) {
     const float* qc[2] = {qsrc + blk[i] * W, qsrc + blk[i + 1] * W};
     const float* lb[2] = {lbias + blk[i] * W, lbias + blk[i + 1] * W};
@@ -519,12 +554,10 @@ void attend_lanes(const AttentionGroup& a, int64_t key_begin, int64_t key_end, A
   TilePrefetch pf;
   // pf.step() calls per tile (all row blocks live): one per head_dim block per score micro-kernel
   // call, then one per 8 keys per P.V call
-  constexpr int NKS = lane_score_keys<V>();
   const int64_t dblocks = (D + kLaneScoreBlock - 1) / kLaneScoreBlock;
   // runs are all R rows when every row is valid, else `valid` rows per head
   const int64_t pv_calls = valid == S ? lane_pv_run_calls<RB>(R) : G * lane_pv_run_calls<RB>(valid);
-  const int64_t lane_steps = ((nblocks / 2) * (TK / NKS) + (nblocks % 2) * (TK / 8)) * dblocks +
-                             pv_calls * lane_pv_passes<W>(Dv) * (TK / 8);
+  const int64_t lane_steps = lane_score_steps<V>(nblocks, TK, dblocks) + pv_calls * lane_pv_passes<W>(Dv) * (TK / 8);
 
   int64_t scaled_blk = -1;  // fixed: the block whose K scales qt8 holds
   const float* qsrc = fixed ? qt8 : qt;  // dot: qt holds the raw bf16 pairs
