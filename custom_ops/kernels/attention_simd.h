@@ -55,6 +55,22 @@ constexpr int64_t lanes_min_rows() {
   return V::W;
 }
 
+// The level V with every float32 vector load split into two loads of half a cache line each
+// (V::load_halves). One float32 query row per KV head (MHA decode) runs on it at levels whose
+// vectors are whole lines: that row's K and V rows stream from DRAM behind the hardware
+// prefetchers alone (no software prefetch at AVX-512, simd_rows.h), and with one 64-byte load
+// per line they streamed slower than with two 32-byte loads, as the 16-bit rows' converting
+// loads read them. Zen 4, 1 thread, time / read time (tools/bench_decode.py, MHA 32/32 fp32,
+// runs alternating): 4K 1.35-1.41 -> 1.12, 16K 1.28-1.33 -> 1.12-1.26; the kernel alone
+// (tools/cpp/bench_paged_attention f32 16384 256 32 1 128 8) 21.0-23.8 -> 19.0-21.7 ms, at the
+// avx512 level likewise. In L2 (1K keys, one head) it costs 3%, and with 2 or 3 rows per KV
+// head it measured slower from DRAM too (GQA 16/8: 1.53 -> 1.81 the read time), so only here.
+// (The results are the same: the same values are loaded.)
+template <class B>
+struct HalfLineLoads : B {
+  static typename B::vf load(const float* p) { return B::load_halves(p); }
+};
+
 // Keys [key_begin, key_end) whose blocks all have encoding `enc`.
 template <class V>
 void attend_run(const AttentionGroup& a, int64_t key_begin, int64_t key_end, AttentionState* st, float* scratch,
@@ -83,6 +99,12 @@ void attend_run(const AttentionGroup& a, int64_t key_begin, int64_t key_end, Att
   const bool tiles = group_rows >= kConvertTileRows;
   switch (a.dtype) {
     case DType::kFloat32:
+      if constexpr (V::kHalfLineLoads) {
+        if (group_rows == 1) {
+          attend_impl<HalfLineLoads<V>, LoadF32<HalfLineLoads<V>>, false>(a, key_begin, key_end, st, scratch);
+          return;
+        }
+      }
       attend_impl<V, LoadF32<V>, false>(a, key_begin, key_end, st, scratch);
       return;
     case DType::kFloat16:

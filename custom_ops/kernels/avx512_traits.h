@@ -21,6 +21,11 @@ struct Avx512 {
   static vf zero() { return _mm512_setzero_ps(); }
   static vf set1(float x) { return _mm512_set1_ps(x); }
   static vf load(const float* p) { return _mm512_loadu_ps(p); }
+  // A 64-byte vector as two 32-byte loads (simd::HalfLineLoads, attention_simd.h).
+  static constexpr bool kHalfLineLoads = true;
+  static vf load_halves(const float* p) {
+    return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(p)), _mm256_loadu_ps(p + 8), 1);
+  }
   static void store(float* p, vf v) { _mm512_storeu_ps(p, v); }
   static vf load_i8(const int8_t* p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
