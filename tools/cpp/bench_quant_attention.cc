@@ -156,7 +156,7 @@ int main(int argc, char** argv) {
               static_cast<long long>(heads), static_cast<long long>(G), static_cast<long long>(D),
               static_cast<long long>(layers), rounds);
   for (const Variant& var : vars)
-    std::printf("  %-12s median %8.3f ms   min %8.3f ms\n", var.name.c_str(), median(var.ms),
+    std::printf("  %-12s median %8.4f ms   min %8.4f ms\n", var.name.c_str(), median(var.ms),
                 *std::min_element(var.ms.begin(), var.ms.end()));
   auto mn = [](const std::vector<double>& x) { return *std::min_element(x.begin(), x.end()); };
   std::printf("  native / its read x%.3f\n", median(vars[0].ms) / median(vars[1].ms));
