@@ -56,8 +56,10 @@ OLEP_HOT void pv_block(float* const* acc, const int64_t* rows, const typename L:
 // pv_block over the whole Dv (a multiple of W) in chunks of 4, 2, 1 vectors.
 template <class V, class L, int RB, bool kSkipZero>
 OLEP_HOT void pv_rows(float* st_acc, const int64_t* rows, int64_t Dv, const typename L::elem* v, const float* ptile,
-                    int64_t p_tstride, int64_t p_rstride, int64_t n, const float* corr, TilePrefetch* pf) {
+                    int64_t p_tstride, int64_t p_rstride, int64_t n, const float* corr, TilePrefetch* pf_io) {
   constexpr int W = V::W;
+  TilePrefetch local = *pf_io;  // in registers across the blocks' key loops (scores_rows says why)
+  TilePrefetch* pf = &local;
   float* acc[RB];
   auto point = [&](int64_t off) {
     for (int rr = 0; rr < RB; ++rr) acc[rr] = st_acc + rows[rr] * Dv + off;
@@ -85,6 +87,7 @@ OLEP_HOT void pv_rows(float* st_acc, const int64_t* rows, int64_t Dv, const type
     point(d);
     pv_block<V, L, RB, 1, kSkipZero>(acc, rows, v + d, Dv, ptile, p_tstride, p_rstride, n, corr, pf);
   }
+  *pf_io = local;
 }
 
 // One output row whose Dv is wider than the registers hold (AVX2: 8 accumulators, 64 floats;
