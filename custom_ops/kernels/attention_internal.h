@@ -91,7 +91,8 @@ inline void visible_union(const AttentionGroup& a, int64_t* lo, int64_t* hi) {
 /// Whether quantized (int8, int4) blocks are attended in 16-bit fixed point (int8_query), or,
 /// when not, by dequantized float K (every level decides the same way, over every quantized
 /// block of the call): max |q| times the largest K scale (and int4 |minimum|) stays well inside
-/// float32 (q is read in its storage type; scales are >= 0; a NaN max compares false). A code 0
+/// float32 (q is read in its storage type; scales are >= 0; a NaN in q: false, so the row's
+/// scores are NaN as on native pages). A code 0
 /// times an infinite q * scale would be NaN where code * scale is 0.
 inline bool int8_fixed_point(const AttentionGroup& a) {
   float ks = 0.0f;
@@ -109,8 +110,11 @@ inline bool int8_fixed_point(const AttentionGroup& a) {
   const int64_t valid = std::min(a.num_valid_rows, a.num_rows);
   for (int64_t h = 0; h < a.group_size; ++h)
     for (int64_t i = 0; i < valid; ++i)
-      for (int64_t d = 0; d < a.head_dim; ++d)
-        qm = std::max(qm, std::fabs(load(a.dtype, a.q, h * a.q_head_stride + i * a.q_row_stride + d)));
+      for (int64_t d = 0; d < a.head_dim; ++d) {
+        const float x = std::fabs(load(a.dtype, a.q, h * a.q_head_stride + i * a.q_row_stride + d));
+        if (std::isnan(x)) return false;  // (std::max would drop it and take the fixed point)
+        qm = std::max(qm, x);
+      }
   return qm * std::max(a.scale, 1.0f) * ks < 1e30f;
 }
 

@@ -911,8 +911,52 @@ void quant_pages_match_scalar() {
       }
 }
 
+// A NaN in q over int8 / int4 pages makes the row NaN (docs/API.md, "Quantized pages": such a
+// call scores its quantized pages on dequantized float32 K, as native pages): the fixed-point
+// check must not drop the NaN (std::max did, and the scalar level then rounded NaN to int16).
+// Every level, one and four query rows per KV head.
+void nan_query_over_quant_pages() {
+  const Isa level = active_isa();
+  for (KVQuant mode : {KVQuant::kInt8, KVQuant::kInt4})
+    for (int64_t G : {1, 4}) {
+      const int64_t D = 64, P = 64;
+      CacheGeometry g;
+      g.num_layers = g.batch_size = g.kv_num_heads = 1;
+      g.head_dim = g.v_head_dim = D;
+      g.max_sequence_length = P;
+      g.page_tokens = P;
+      g.kv_quant = mode;
+      std::mt19937 rng(static_cast<uint32_t>(300 + G + 10 * static_cast<int>(mode)));
+      std::normal_distribution<float> nd;
+      std::vector<char> native(static_cast<size_t>(g.page_bytes())), quant(static_cast<size_t>(g.quant_page_bytes()));
+      float* kv = reinterpret_cast<float*>(native.data());
+      for (int64_t i = 0; i < 2 * P * D; ++i) kv[i] = nd(rng);
+      CHECK(quant::quantize_page(g, native.data(), quant.data()));
+      const KVBlock b = quant::quant_block(g, quant.data(), 0, 0, P);
+      std::vector<float> q(static_cast<size_t>(G * D), 0.5f), out(q.size());
+      q[3] = NAN;  // row 0 (head 0) only
+      AttentionGroup a;
+      a.dtype = DType::kFloat32;
+      a.q = q.data(); a.q_head_stride = D; a.q_row_stride = D;
+      a.out = out.data(); a.out_head_stride = D; a.out_row_stride = D;
+      a.group_size = G; a.num_rows = 1; a.num_valid_rows = 1; a.q_offset = P - 1; a.num_keys = P;
+      a.blocks = &b; a.num_blocks = 1;
+      a.head_dim = D; a.v_head_dim = D; a.scale = 0.125f; a.is_causal = true;
+      for (Isa isa : {Isa::kScalar, level}) {
+        set_isa(isa);
+        std::fill(out.begin(), out.end(), 0.0f);
+        std::vector<float> scratch(static_cast<size_t>(attend_group_floats(a)));
+        attend_group(a, scratch.data());
+        for (int64_t d = 0; d < D; ++d) CHECK(std::isnan(out[static_cast<size_t>(d)]));
+        for (int64_t e = D; e < G * D; ++e) CHECK(std::isfinite(out[static_cast<size_t>(e)]));
+      }
+      set_isa(level);
+    }
+}
+
 void run_all() {
   quant_pages_match_scalar();
+  nan_query_over_quant_pages();
   int8_blocks_match_model();
   int8_odd_head_dim();
   one_valid_row_among_padding();
