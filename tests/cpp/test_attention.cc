@@ -18,6 +18,20 @@ using namespace olep::kernels;
 
 namespace {
 
+// One decode step of G query heads over one KV head, float32 q [G, D] (out likewise, may be
+// null and set later), causal, q at the last of T positions, over `nb` blocks.
+AttentionGroup decode_group(const float* q, float* out, const KVBlock* blocks, int64_t nb, int64_t G, int64_t D,
+                            int64_t T, float scale) {
+  AttentionGroup a;
+  a.dtype = DType::kFloat32;
+  a.q = q; a.q_head_stride = D; a.q_row_stride = D;
+  a.out = out; a.out_head_stride = D; a.out_row_stride = D;
+  a.group_size = G; a.num_rows = 1; a.num_valid_rows = 1; a.q_offset = T - 1; a.num_keys = T;
+  a.blocks = blocks; a.num_blocks = nb;
+  a.head_dim = D; a.v_head_dim = D; a.scale = scale; a.is_causal = true;
+  return a;
+}
+
 struct Case {
   int64_t G = 1, S = 1, P = 0, D = 8, Dv = 8;
   int64_t valid_rows = -1;  // -1 = S
@@ -176,11 +190,7 @@ void split_matches_single_pass(int64_t G, float k_ramp) {
     for (auto& e : *x) e = nd(rng);
   for (size_t e = 0; e < k.size(); ++e) k[e] *= 1.0f + k_ramp * static_cast<float>(e / D);
   KVBlock blk{k.data(), v.data(), 0, T};
-  AttentionGroup a;
-  a.q = q.data(); a.q_head_stride = D; a.q_row_stride = D;
-  a.out_head_stride = D; a.out_row_stride = D;
-  a.group_size = G; a.num_rows = 1; a.num_valid_rows = 1; a.q_offset = T - 1; a.num_keys = T;
-  a.blocks = &blk; a.num_blocks = 1; a.head_dim = D; a.v_head_dim = D; a.scale = 0.2f; a.is_causal = true;
+  AttentionGroup a = decode_group(q.data(), nullptr, &blk, 1, G, D, T, 0.2f);
   std::vector<float> s1(static_cast<size_t>(state_floats(a))), s2(s1.size()), s3(s1.size());
   std::vector<float> scratch(static_cast<size_t>(scratch_floats(a)));
   AttentionState whole, left, right;
@@ -218,10 +228,7 @@ void large_values_stay_finite() {
     for (int64_t j = 16; j < T; ++j)
       for (int64_t d = 0; d < D; ++d) v[static_cast<size_t>(j * D + d)] = (d % 2 ? -1.0f : 1.0f) * 2e35f;
     KVBlock b{k.data(), v.data(), 0, T};
-    AttentionGroup a;
-    a.q = q.data(); a.q_head_stride = D; a.q_row_stride = D; a.out_head_stride = D; a.out_row_stride = D;
-    a.group_size = G; a.num_rows = 1; a.num_valid_rows = 1; a.q_offset = T - 1; a.num_keys = T;
-    a.blocks = &b; a.num_blocks = 1; a.head_dim = D; a.v_head_dim = D; a.scale = 1.0f; a.is_causal = true;
+    AttentionGroup a = decode_group(q.data(), nullptr, &b, 1, G, D, T, 1.0f);
     std::vector<float> want(q.size()), got(q.size()), buf(static_cast<size_t>(attend_group_floats(a)));
     const Isa level = active_isa();
     set_isa(Isa::kScalar);
@@ -687,13 +694,8 @@ void int8_blocks_match_model() {
       mixed.push_back(b);
     }
     std::vector<float> out(static_cast<size_t>(G * D));
-    AttentionGroup a;
-    a.dtype = DType::kFloat32;
-    a.q = q.data(); a.q_head_stride = D; a.q_row_stride = D;
-    a.out = out.data(); a.out_head_stride = D; a.out_row_stride = D;
-    a.group_size = G; a.num_rows = 1; a.num_valid_rows = 1; a.q_offset = T - 1; a.num_keys = T;
-    a.blocks = mixed.data(); a.num_blocks = static_cast<int64_t>(mixed.size());
-    a.head_dim = D; a.v_head_dim = D; a.scale = scale; a.is_causal = true;
+    AttentionGroup a = decode_group(q.data(), out.data(), mixed.data(), static_cast<int64_t>(mixed.size()), G, D, T,
+                                    scale);
     a.local_window_size = window;
     std::vector<float> scratch(static_cast<size_t>(attend_group_floats(a)));
     attend_group(a, scratch.data());
@@ -779,13 +781,7 @@ void int8_odd_head_dim() {
     b.key_scale = ks.data();
     b.value_scale = vs.data();
     std::vector<float> out(static_cast<size_t>(G * D));
-    AttentionGroup a;
-    a.dtype = DType::kFloat32;
-    a.q = q.data(); a.q_head_stride = D; a.q_row_stride = D;
-    a.out = out.data(); a.out_head_stride = D; a.out_row_stride = D;
-    a.group_size = G; a.num_rows = 1; a.num_valid_rows = 1; a.q_offset = P - 1; a.num_keys = P;
-    a.blocks = &b; a.num_blocks = 1;
-    a.head_dim = D; a.v_head_dim = D; a.scale = 0.3f; a.is_causal = true;
+    AttentionGroup a = decode_group(q.data(), out.data(), &b, 1, G, D, P, 0.3f);
     std::vector<float> scratch(static_cast<size_t>(attend_group_floats(a)));
     attend_group(a, scratch.data());
     for (int64_t h = 0; h < G; ++h) {
@@ -885,13 +881,8 @@ void quant_pages_match_scalar() {
         const int64_t T = first;
         std::vector<float> q(static_cast<size_t>(G * D));
         for (auto& x : q) x = 30.0f * nd(rng);
-        AttentionGroup a;
-        a.dtype = DType::kFloat32;
-        a.q = q.data(); a.q_head_stride = D; a.q_row_stride = D;
-        a.out_head_stride = D; a.out_row_stride = D;
-        a.group_size = G; a.num_rows = 1; a.num_valid_rows = 1; a.q_offset = T - 1; a.num_keys = T;
-        a.blocks = blocks.data(); a.num_blocks = static_cast<int64_t>(blocks.size());
-        a.head_dim = D; a.v_head_dim = D; a.scale = 1.0f / std::sqrt(static_cast<float>(D)); a.is_causal = true;
+        AttentionGroup a = decode_group(q.data(), nullptr, blocks.data(), static_cast<int64_t>(blocks.size()), G, D, T,
+                                        1.0f / std::sqrt(static_cast<float>(D)));
         // scalar, this level, and (avx512_bf16) the avx512 level
         const Isa levels[3] = {Isa::kScalar, level, Isa::kAvx512};
         std::vector<float> out[3];
@@ -935,13 +926,7 @@ void nan_query_over_quant_pages() {
       const KVBlock b = quant::quant_block(g, quant.data(), 0, 0, P);
       std::vector<float> q(static_cast<size_t>(G * D), 0.5f), out(q.size());
       q[3] = NAN;  // row 0 (head 0) only
-      AttentionGroup a;
-      a.dtype = DType::kFloat32;
-      a.q = q.data(); a.q_head_stride = D; a.q_row_stride = D;
-      a.out = out.data(); a.out_head_stride = D; a.out_row_stride = D;
-      a.group_size = G; a.num_rows = 1; a.num_valid_rows = 1; a.q_offset = P - 1; a.num_keys = P;
-      a.blocks = &b; a.num_blocks = 1;
-      a.head_dim = D; a.v_head_dim = D; a.scale = 0.125f; a.is_causal = true;
+      AttentionGroup a = decode_group(q.data(), out.data(), &b, 1, G, D, P, 0.125f);
       for (Isa isa : {Isa::kScalar, level}) {
         set_isa(isa);
         std::fill(out.begin(), out.end(), 0.0f);
