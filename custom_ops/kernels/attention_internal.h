@@ -92,8 +92,8 @@ inline void visible_union(const AttentionGroup& a, int64_t* lo, int64_t* hi) {
 /// when not, by dequantized float K (every level decides the same way, over every quantized
 /// block of the call): max |q| times the largest K scale (and int4 |minimum|) stays well inside
 /// float32 (q is read in its storage type; scales are >= 0; a NaN in q: false, so the row's
-/// scores are NaN as on native pages). A code 0
-/// times an infinite q * scale would be NaN where code * scale is 0.
+/// scores are NaN as on native pages). A code 0 times an infinite q * scale would be NaN where
+/// code * scale is 0.
 inline bool int8_fixed_point(const AttentionGroup& a) {
   float ks = 0.0f;
   bool any = false;
