@@ -100,6 +100,7 @@ void StepTransaction::write(int64_t layer, const CacheContent& c, const NewRows&
   const size_t es = g_.elem_bytes();
   const size_t krow = static_cast<size_t>(D) * es, vrow = static_cast<size_t>(Dv) * es;
   const int64_t voff = g_.value_offset();
+  bool streamed = false;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t n = num_new_[static_cast<size_t>(b)];
     if (n == 0) continue;
@@ -121,6 +122,7 @@ void StepTransaction::write(int64_t layer, const CacheContent& c, const NewRows&
     // A long append (a prefill chunk) streams its rows past the caches (kernels::copy_rows);
     // a decode step's few rows stay cached for the attention that reads them next.
     const bool streaming = n >= kernels::kStreamCopyRows;
+    streamed = streamed || streaming;
     for (int64_t h = 0; h < H; ++h) {
       const char* ks = static_cast<const char*>(rows.key) +
                        static_cast<size_t>(b * rows.key_strides[0] + h * rows.key_strides[1]) * es;
@@ -150,7 +152,7 @@ void StepTransaction::write(int64_t layer, const CacheContent& c, const NewRows&
       }
     }
   }
-  kernels::stream_fence();  // the streamed rows before anything reads the pages
+  if (streamed) kernels::stream_fence();  // the streamed rows before anything reads the pages
   next_layer_ = layer + 1;
 }
 
