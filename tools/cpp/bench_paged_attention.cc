@@ -7,6 +7,8 @@
 //              them (page b of every (layer, head), then page b+1), read head by head
 //   paged_row  the same pages read page row by page row: page b of every head of a layer, then
 //              page b+1 (each head's online-softmax state carried across calls of attend_range)
+//   paged_run  the pages of one (layer, head) one after another within 2 MiB slabs, the slabs in
+//              shuffled order: the layout the arena gives a prefill (a step's pages head by head)
 //   read       the read floor: the layer's K+V bytes read once, sequentially, with no arithmetic
 //              (stream_read over the one-block copy, as the decode benchmark's `limit`)
 //
@@ -67,6 +69,19 @@ int main(int argc, char** argv) {
   const size_t unit_bytes = (static_cast<size_t>(per_head) + kHuge - 1) / kHuge * kHuge;
   char* contig = huge_alloc(static_cast<size_t>(units) * unit_bytes);
   char* paged = huge_alloc(static_cast<size_t>(units * blocks) * page_bytes);
+  // paged_run: the pages of one (layer, head) consecutive within 2 MiB slabs, the slabs in a
+  // shuffled order (as a prefill's pages come from the pool: one run per head, slab by slab).
+  const size_t slab_bytes = (page_bytes + kHuge - 1) / kHuge * kHuge;
+  const int64_t per_slab = std::max<int64_t>(1, static_cast<int64_t>(slab_bytes / page_bytes));
+  const int64_t slabs_per_unit = (blocks + per_slab - 1) / per_slab;
+  char* runs = huge_alloc(static_cast<size_t>(units * slabs_per_unit) * slab_bytes);
+  std::vector<int64_t> slab_order(static_cast<size_t>(units * slabs_per_unit));
+  for (size_t i = 0; i < slab_order.size(); ++i) slab_order[i] = static_cast<int64_t>(i);
+  std::shuffle(slab_order.begin(), slab_order.end(), std::mt19937(7));
+  auto run_page = [&](int64_t u, int64_t b) {
+    const int64_t s = slab_order[static_cast<size_t>(u * slabs_per_unit + b / per_slab)];
+    return runs + static_cast<size_t>(s) * slab_bytes + static_cast<size_t>(b % per_slab) * page_bytes;
+  };
   auto cbase = [&](int64_t u) { return contig + static_cast<size_t>(u) * unit_bytes; };
   auto page = [&](char* base, int64_t u, int64_t b) { return base + static_cast<size_t>(b * units + u) * page_bytes; };
 
@@ -77,7 +92,8 @@ int main(int argc, char** argv) {
     for (float& f : x) f = nd(rng) * 0.5f;
     from_float(dtype, x.data(), cbase(u), static_cast<int64_t>(x.size()));
   }
-  std::vector<std::vector<KVBlock>> one(static_cast<size_t>(units)), pg(static_cast<size_t>(units));
+  std::vector<std::vector<KVBlock>> one(static_cast<size_t>(units)), pg(static_cast<size_t>(units)),
+      pr(static_cast<size_t>(units));
   for (int64_t u = 0; u < units; ++u) {
     char* k = cbase(u);
     char* v = k + static_cast<size_t>(T) * row;
@@ -88,6 +104,9 @@ int main(int argc, char** argv) {
       std::memcpy(p, k + static_cast<size_t>(b * P) * row, static_cast<size_t>(n) * row);
       std::memcpy(p + half, v + static_cast<size_t>(b * P) * row, static_cast<size_t>(n) * row);
       pg[static_cast<size_t>(u)].push_back(KVBlock{p, p + half, b * P, n});
+      char* q = run_page(u, b);
+      std::memcpy(q, p, page_bytes);
+      pr[static_cast<size_t>(u)].push_back(KVBlock{q, q + half, b * P, n});
     }
   }
 
@@ -128,6 +147,7 @@ int main(int argc, char** argv) {
   std::vector<Variant> vs = {{"one", &one, false, {}},
                              {"paged", &pg, false, {}},
                              {"paged_row", &pg, true, {}},
+                             {"paged_run", &pr, false, {}},
                              {"read", nullptr, false, {}}};
   volatile uint64_t sink = 0;
   char* flush_buf = flush > 0 ? huge_alloc(flush) : nullptr;
