@@ -380,13 +380,13 @@ void KVCache::import_past(const std::vector<const void*>& keys, const std::vecto
   CacheContent next;
   next.tables.resize(content_.tables.size());
   next.lens.assign(static_cast<size_t>(B), length);
-  size_t k = 0;
+  size_t k = 0;  // first page of this (layer, sequence); its head h takes [k + h * blocks, + blocks)
   for (int64_t l = 0; l < g_.num_layers; ++l)
-    for (int64_t b = 0; b < B; ++b) {
+    for (int64_t b = 0; b < B; ++b, k += static_cast<size_t>(blocks * H)) {
       PageTable& t = next.table(l, b, B);
       for (int64_t blk = 0; blk < blocks; ++blk)
         for (int64_t h = 0; h < H; ++h) {
-          Page* pg = pages[k++];
+          Page* pg = pages[k + static_cast<size_t>(h * blocks + blk)];  // one head's pages in a row (step.cc)
           t.pages.push_back(pg);
           const int64_t n = std::min(P, length - blk * P);
           const size_t src = static_cast<size_t>((b * H + h) * length + blk * P);

@@ -21,8 +21,13 @@ void KVCache::quantize_cold_locked() noexcept {
         PageTable& t = content_.table(l, b, B);
         const int64_t len = content_.lens[static_cast<size_t>(b)];
         const int64_t end = std::min(len > R ? (len - R) / P : 0, t.end_block(H));  // wholly before len - R
-        for (int64_t blk = std::max({t.quant_next, t.first_block, g_.first_quant_block()}); blk < end; ++blk) {
-          for (int64_t h = 0; h < H; ++h) {
+        const int64_t begin = std::max({t.quant_next, t.first_block, g_.first_quant_block()});
+        // Head by head, so that one head's quantized pages come from the pool one after another
+        // (in address order on fresh slabs) and the kernel reads them as one stream, as a
+        // step's native pages (step.cc). A refused page leaves quant_next at `begin`: the
+        // pages already quantized are skipped by their encoding on the next commit.
+        for (int64_t h = 0; h < H; ++h)
+          for (int64_t blk = begin; blk < end; ++blk) {
             Page*& slot = t.at(blk, h, H);
             if (slot->encoding == enc) continue;
             Page* q = nullptr;
@@ -52,8 +57,7 @@ void KVCache::quantize_cold_locked() noexcept {
             // theirs (another sequence of this cache gets the same int8 page from done[]).
             pool_->release(&old, 1);
           }
-          t.quant_next = blk + 1;
-        }
+        t.quant_next = std::max(t.quant_next, end);
       }
   } catch (...) {
     // The pool's budget (or the OS) refused a page: what is quantized stays so, the rest stays

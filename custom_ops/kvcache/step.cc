@@ -81,9 +81,14 @@ void StepTransaction::reserve(const CacheContent& c, PagePool& pool) {
       Pending& p = pending_[static_cast<size_t>(l * B + b)];
       const int64_t n = num_new_[static_cast<size_t>(b)];
       if (n == 0) continue;
-      const int64_t last = (c.lens[static_cast<size_t>(b)] + n - 1) / P;
-      for (int64_t blk = p.first_new_block; blk <= last; ++blk)
-        for (int64_t h = 0; h < H; ++h) p.fresh.push_back(reserved_[next++]);
+      // Head by head: one head's new blocks take consecutive pages of the reservation, which
+      // a pool hands out in address order from its slabs, so a prefill's pages of one (layer,
+      // sequence, kv head) lie one after another and the kernel reads them as one stream
+      //.
+      const int64_t blocks = (c.lens[static_cast<size_t>(b)] + n - 1) / P - p.first_new_block + 1;
+      p.fresh.assign(static_cast<size_t>(blocks * H), nullptr);
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t i = 0; i < blocks; ++i) p.fresh[static_cast<size_t>(i * H + h)] = reserved_[next++];
     }
 }
 

@@ -395,9 +395,58 @@ void test_save_load_window1_empty_table() {
   std::remove(path.c_str());
 }
 
+
+// A prefill's pages of one (layer, sequence, kv head) are consecutive pages of the pool (ids
+// one apart: the same slab, one after another in memory), so the kernel reads a head's context
+// as one stream: after a step, after import_past, and the quantized pages of a prefill.
+void test_head_runs_consecutive() {
+  auto runs = [](const KVCache& c, int64_t blocks) {
+    const auto& g = c.geometry();
+    for (int64_t l = 0; l < g.num_layers; ++l)
+      for (int64_t b = 0; b < g.batch_size; ++b)
+        for (int64_t h = 0; h < g.kv_num_heads; ++h) {
+          const std::vector<uint32_t> ids = c.page_ids(l, b, h);
+          CHECK(static_cast<int64_t>(ids.size()) == blocks);
+          for (size_t i = 1; i < ids.size(); ++i) CHECK(ids[i] == ids[i - 1] + 1);
+        }
+  };
+  const int64_t P = 32, blocks = 6;
+  {  // one step of 6 pages (the last one partly filled), then a step that opens a 7th block
+    CacheGeometry g = geom(2, 2, 3, 4, 8 * P, P);
+    auto pool = std::make_shared<PagePool>();
+    auto c = make(g, pool);
+    step(*c, blocks * P - 5);
+    runs(*c, blocks);
+    step(*c, 5);  // fills the tail pages: no new page
+    runs(*c, blocks);
+    check_pool(*pool, {c.get()});
+  }
+  {  // import_past
+    CacheGeometry g = geom(2, 2, 3, 4, 8 * P, P);
+    auto pool = std::make_shared<PagePool>();
+    auto c = make(g, pool);
+    const int64_t L = blocks * P;
+    std::vector<float> k(static_cast<size_t>(g.batch_size * g.kv_num_heads * L * g.head_dim), 1.0f), v(k);
+    std::vector<const void*> ks(static_cast<size_t>(g.num_layers), k.data()), vs(ks.size(), v.data());
+    c->import_past(ks, vs, L);
+    runs(*c, blocks);
+    check_pool(*pool, {c.get()});
+  }
+  for (KVQuant mode : {KVQuant::kInt8, KVQuant::kInt4}) {  // every page of the prefill quantized
+    CacheGeometry g = geom(2, 2, 3, 32, 8 * P, P);
+    g.kv_quant = mode;
+    auto pool = std::make_shared<PagePool>();
+    auto c = make(g, pool);
+    step(*c, blocks * P);
+    CHECK(c->stats().quantized_bytes == g.num_layers * g.batch_size * g.kv_num_heads * blocks * g.quant_scale_offset());
+    runs(*c, blocks);
+    check_pool(*pool, {c.get()});
+  }
+}
 }  // namespace
 
 int main() {
+  test_head_runs_consecutive();
   test_snapshot_between_layers();
   test_load_crafted_header();
   test_save_load_window1_empty_table();
