@@ -312,13 +312,18 @@ std::unique_ptr<KVCache> KVCache::load(const std::string& path, std::shared_ptr<
       const int64_t f = first[static_cast<size_t>(l * B + b)], len = lens[static_cast<size_t>(b)];
       t.first_block = f / P;
       t.quant_next = qnext[static_cast<size_t>(l * B + b)];
-      for (int64_t blk = t.first_block; blk < (len + P - 1) / P; ++blk)
-        for (int64_t h = 0; h < H; ++h, ++e) {
-          Page* pg = enc[e] != 0 ? got_quant[kq++] : got_native[kn++];
-          pg->encoding = enc[e];
-          t.pages.push_back(pg);
+      // head by head, as a step takes its pages (step.cc): one head's pages in a row
+      const int64_t nblk = std::max<int64_t>(0, (len + P - 1) / P - t.first_block);
+      t.pages.assign(static_cast<size_t>(nblk * H), nullptr);
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t i = 0; i < nblk; ++i) {
+          const size_t at = static_cast<size_t>(i * H + h);
+          Page* pg = enc[e + at] != 0 ? got_quant[kq++] : got_native[kn++];
+          pg->encoding = enc[e + at];
+          t.pages[at] = pg;
           c.holds.add(pg);
         }
+      e += static_cast<size_t>(nblk * H);
       for (int64_t h = 0; h < H; ++h)
         for (int64_t blk = t.first_block; blk < (len + P - 1) / P; ++blk) {
           Page* pg = t.at(blk, h, H);

@@ -442,6 +442,27 @@ void test_head_runs_consecutive() {
     runs(*c, blocks);
     check_pool(*pool, {c.get()});
   }
+  {  // load: the file's pages, native and quantized, head by head into a new pool
+    CacheGeometry g = geom(2, 2, 3, 32, 8 * P, P);
+    g.kv_quant = KVQuant::kInt8;
+    g.recent_tokens = 2 * P;
+    auto c = make(g, std::make_shared<PagePool>());
+    step(*c, blocks * P);
+    const std::string path = "kvcache_test_runs.bin";
+    c->save(path);
+    auto pool = std::make_shared<PagePool>();
+    std::shared_ptr<KVCache> d(KVCache::load(path, pool));
+    std::remove(path.c_str());
+    for (int64_t l = 0; l < g.num_layers; ++l)
+      for (int64_t b = 0; b < g.batch_size; ++b)
+        for (int64_t h = 0; h < g.kv_num_heads; ++h) {
+          const std::vector<uint32_t> ids = d->page_ids(l, b, h);  // 4 int8 pages, then 2 native
+          CHECK(ids.size() == static_cast<size_t>(blocks));
+          for (size_t i = 1; i < ids.size(); ++i)
+            if (i != static_cast<size_t>(blocks - 2)) CHECK(ids[i] == ids[i - 1] + 1);
+        }
+    check_pool(*pool, {d.get()});
+  }
 }
 }  // namespace
 
