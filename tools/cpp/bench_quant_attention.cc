@@ -8,8 +8,10 @@
 //   bench_quant_attention [dtype=f16|f32|bf16] [context=8192] [page_tokens=256] [heads=32]
 //                         [group=1] [head_dim=128] [rounds=20] [qgroup=1] [layers]
 //
-// qgroup: quantized pages of that many consecutive blocks of one (layer, head) lie next to each
-// other (one stream across them), as a cache that quantizes blocks in groups would place them.
+// qgroup: the pages (native and quantized) of that many consecutive blocks of one (layer, head)
+// lie next to each other (one stream across them), as the cache places a prefill's pages and a
+// commit's quantized pages (head by head, docs/API.md); 1: every page of a block's heads apart
+// (the order a decode builds them, one page per head every page_tokens steps).
 //
 // Prints the median and minimum ms per layer-step of each layout (int4 when head_dim is a
 // multiple of 32), each quantized layout / native, and each layout against its own read time.
@@ -73,7 +75,7 @@ int main(int argc, char** argv) {
                                   : std::max<int64_t>(1, (256ll << 20) / (static_cast<int64_t>(npage) * blocks * heads));
   const int64_t units = heads * layers;
   const int64_t qslots = units * ((blocks + qgroup - 1) / qgroup * qgroup);
-  char* native = huge_alloc(static_cast<size_t>(units * blocks) * npage);
+  char* native = huge_alloc(static_cast<size_t>(qslots) * npage);
   std::vector<char*> quant;
   for (size_t m = 0; m < modes.size(); ++m) quant.push_back(huge_alloc(static_cast<size_t>(qslots) * qpage[m]));
   std::mt19937 rng(1);
@@ -88,12 +90,12 @@ int main(int argc, char** argv) {
         k[i] = nd(rng) * (i % static_cast<size_t>(D) == 3 ? 20.0f : 0.5f);
         v[i] = nd(rng) * 0.5f;
       }
-      char* np = native + static_cast<size_t>(b * units + u) * npage;
+      // pages of `qgroup` consecutive blocks of one (layer, head) adjacent in memory
+      const int64_t slot = (b / qgroup * units + u) * qgroup + b % qgroup;
+      char* np = native + static_cast<size_t>(slot) * npage;
       from_float(dtype, k.data(), np, P * D);
       from_float(dtype, v.data(), np + npage / 2, P * D);
       nl[static_cast<size_t>(u)].push_back(KVBlock{np, np + npage / 2, b * P, n});
-      // quantized pages of `qgroup` consecutive blocks of one (layer, head) adjacent in memory
-      const int64_t slot = (b / qgroup * units + u) * qgroup + b % qgroup;
       for (size_t m = 0; m < modes.size(); ++m) {
         g.kv_quant = modes[m];
         char* qp = quant[m] + static_cast<size_t>(slot) * qpage[m];
