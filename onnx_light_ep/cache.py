@@ -66,7 +66,10 @@ def default_page_tokens(head_dim: int, dtype: Any = "float16", v_head_dim: Optio
     float16 with head_dim 64. Chosen by measurement: a page read from a new
     address costs DRAM time while the hardware prefetcher retrains, 1.12-1.14x
     a contiguous read at 64 KiB pages and 1.00-1.03x at 128 KiB on Zen 4
-    (``build/bench_scattered_read``; BENCHMARKS.md, "paged vs one block").
+    (``build/bench_scattered_read``; BENCHMARKS.md, "paged vs one block"; another
+    Zen 4 host: 1.06-1.08x at 128 KiB, 1.00-1.02x at 256 KiB). A prefill's pages of
+    one kv head are consecutive in memory (docs/API.md), so only the pages a decode
+    adds one at a time pay it.
 
     Args:
         head_dim: int in [1, 4096], key head size in elements.

@@ -13,7 +13,10 @@ namespace olep {
 
 /// The default page holds at least this many bytes of K and V: at 64 KiB a page read from a
 /// new address costs 1.12-1.14x the same bytes read in one contiguous block on Zen 4, at 128
-/// KiB 1.00-1.03x (tools/cpp/bench_scattered_read; BENCHMARKS.md, "paged vs one block").
+/// KiB 1.00-1.03x (tools/cpp/bench_scattered_read; BENCHMARKS.md, "paged vs one block"); on
+/// another Zen 4 host 1.06-1.08x at 128 KiB and 1.00-1.02x at 256 KiB. A prefill's pages of one
+/// head are consecutive (step.cc), so only the pages a decode adds one at a time pay it; a
+/// larger page would double the copy-on-write of a forked tail and the slack per head.
 constexpr int64_t kDefaultPageBytes = int64_t{128} << 10;
 /// Fewest and most positions of a default page (the most: the row path's one-chunk block).
 constexpr int64_t kMinDefaultPageTokens = 128;
