@@ -21,7 +21,10 @@ namespace olep {
 struct PageTable {
   int64_t first_block = 0;
   // Cold-page quantization has considered every block before this one (quantized it, or left
-  // it native: a sink block, non-finite values); blocks from here on are native.
+  // it native: a sink block, non-finite values). Blocks from here on are native, except after
+  // a pass the pool refused part-way: it walks head by head (kv_cache_quant.cc) and leaves
+  // this mark where it started, so some of those blocks' pages may already be quantized (each
+  // page says so in its encoding; the next pass skips them).
   int64_t quant_next = 0;
   std::vector<Page*> pages;  // [(blk - first_block) * kv_num_heads + h]
 
