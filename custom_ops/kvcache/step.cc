@@ -83,8 +83,8 @@ void StepTransaction::reserve(const CacheContent& c, PagePool& pool) {
       if (n == 0) continue;
       // Head by head: one head's new blocks take consecutive pages of the reservation, which
       // a pool hands out in address order from its slabs, so a prefill's pages of one (layer,
-      // sequence, kv head) lie one after another and the kernel reads them as one stream
-      //.
+      // sequence, kv head) lie one after another and the kernel reads them as one stream.
+      // (blocks is 0 when the new rows fit in the tail page.)
       const int64_t blocks = (c.lens[static_cast<size_t>(b)] + n - 1) / P - p.first_new_block + 1;
       p.fresh.assign(static_cast<size_t>(blocks * H), nullptr);
       for (int64_t h = 0; h < H; ++h)
