@@ -80,8 +80,13 @@ int64_t state_floats(const AttentionGroup& a);
 void init_state(const AttentionGroup& a, float* buffer, AttentionState* s);
 /// Folds `src` into `dst` exactly: max of maxima, sums and accumulators rescaled.
 void merge_states(const AttentionGroup& a, AttentionState* dst, const AttentionState& src);
-/// Writes out = acc / l (zeros where nothing was visible or the row is padding) in `dtype`.
+/// Writes out = acc / l (zeros where nothing was visible or the row is padding) in `dtype`, with
+/// the active ISA level (16-bit outputs converted W at a time; the same bits at every level).
 void finalize(const AttentionGroup& a, const AttentionState& s);
+/// Per-level implementations of finalize (16-bit outputs, v_head_dim a multiple of W).
+void finalize_scalar(const AttentionGroup& a, const AttentionState& s);
+void finalize_avx2(const AttentionGroup& a, const AttentionState& s);
+void finalize_avx512(const AttentionGroup& a, const AttentionState& s);
 
 /// Instruction-set levels, best last. The scalar level is always built and is the test oracle.
 /// kAvx512Bf16 ("avx512_bf16", needs AVX512_BF16 and AVX512_VNNI) is kAvx512 plus VDPBF16PS for

@@ -44,6 +44,24 @@ struct Avx2 {
     const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
   }
+  // W floats stored as float16 / bfloat16, bit for bit as the scalar conversions (avx512_traits.h)
+  static void store_f16(uint16_t* p, vf x) {
+    __m128i h = _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256i nan32 = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    const __m128i nan = _mm_packs_epi32(_mm256_castsi256_si128(nan32), _mm256_extracti128_si256(nan32, 1));
+    const __m128i q = _mm_or_si128(_mm_and_si128(h, _mm_set1_epi16(static_cast<short>(0x8000))), _mm_set1_epi16(0x7e00));
+    h = _mm_blendv_epi8(h, q, nan);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h);
+  }
+  static void store_bf16(uint16_t* p, vf x) {
+    const __m256i b = _mm256_castps_si256(x);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
+    r = _mm256_blendv_epi8(r, _mm256_or_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(0x40)), nan);
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);  // 16-bit lanes 0..7 in the low half
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+  }
   static vf fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
   static vf add(vf a, vf b) { return _mm256_add_ps(a, b); }
   static vf sub(vf a, vf b) { return _mm256_sub_ps(a, b); }
@@ -198,6 +216,8 @@ void attend_range_avx2(const AttentionGroup& a, int64_t key_begin, int64_t key_e
                        float* scratch) {
   simd::attend_range<Avx2>(a, key_begin, key_end, state, scratch);
 }
+
+void finalize_avx2(const AttentionGroup& a, const AttentionState& s) { simd::finalize_rows<Avx2>(a, s); }
 
 }  // namespace kernels
 }  // namespace olep

@@ -14,5 +14,7 @@ void attend_range_avx512(const AttentionGroup& a, int64_t key_begin, int64_t key
   simd::attend_range<Avx512>(a, key_begin, key_end, state, scratch);
 }
 
+void finalize_avx512(const AttentionGroup& a, const AttentionState& s) { simd::finalize_rows<Avx512>(a, s); }
+
 }  // namespace kernels
 }  // namespace olep

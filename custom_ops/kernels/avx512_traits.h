@@ -50,6 +50,26 @@ struct Avx512 {
     const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
   }
+  // W floats stored as float16 / bfloat16, bit for bit as olep::float_to_half / float_to_bf16
+  // (common/dtype.h: round to nearest even; a NaN as the quiet NaN sign | 0x7e00, or its top
+  // half | 0x40).
+  static void store_f16(uint16_t* p, vf x) {
+    __m256i h = _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    const __m256i q = _mm256_or_si256(_mm256_and_si256(h, _mm256_set1_epi16(static_cast<short>(0x8000))),
+                                      _mm256_set1_epi16(0x7e00));
+    h = _mm256_mask_blend_epi16(nan, h, q);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), h);
+  }
+  static void store_bf16(uint16_t* p, vf x) {
+    const __m512i b = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(b, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(0x40)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+  }
   static vf fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
   static vf add(vf a, vf b) { return _mm512_add_ps(a, b); }
   static vf sub(vf a, vf b) { return _mm512_sub_ps(a, b); }

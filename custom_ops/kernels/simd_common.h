@@ -34,6 +34,37 @@ OLEP_HOT typename V::vf tanh_v(typename V::vf y) {
   return V::select(V::nan_bits(y), y, V::copysign(t, y));  // V::exp clamps: keep NaN a NaN
 }
 
+// finalize (attention.h) for v_head_dim a multiple of W: out = acc / l per row, stored W at a
+// time (16-bit: V::store_f16 / store_bf16, the scalar level's bits).
+template <class V>
+void finalize_rows(const AttentionGroup& a, const AttentionState& s) {
+  constexpr int W = V::W;
+  const int64_t G = a.group_size, S = a.num_rows, Dv = a.v_head_dim;
+  const int64_t valid = std::min(a.num_valid_rows, S);
+  for (int64_t h = 0; h < G; ++h)
+    for (int64_t i = 0; i < S; ++i) {
+      const int64_t r = h * S + i;
+      const int64_t off = h * a.out_head_stride + i * a.out_row_stride;
+      // (as finalize_scalar: NaN sum -> NaN row, nothing visible or padding -> zeros)
+      const bool nan_row = i < valid && std::isnan(s.l[r]);
+      const float inv = i >= valid || nan_row ? 0.0f : (s.l[r] > 0.0f ? 1.0f / s.l[r] : 0.0f);
+      const typename V::vf vi = V::set1(inv), qnan = V::set1(NAN);
+      const float* acc = s.acc + r * Dv;
+      if (a.dtype == DType::kFloat32) {
+        float* o = static_cast<float*>(a.out) + off;
+        for (int64_t d = 0; d < Dv; d += W) V::store(o + d, nan_row ? qnan : V::mul(V::load(acc + d), vi));
+      } else {
+        uint16_t* o = static_cast<uint16_t*>(a.out) + off;
+        const bool bf16 = a.dtype == DType::kBFloat16;
+        for (int64_t d = 0; d < Dv; d += W) {
+          const typename V::vf x = nan_row ? qnan : V::mul(V::load(acc + d), vi);
+          if (bf16) V::store_bf16(o + d, x);
+          else V::store_f16(o + d, x);
+        }
+      }
+    }
+}
+
 // Rows [0, n) of `cols` elements (storage type t) as float; rows n..rows-1 zero.
 template <class V>
 inline void convert_rows(DType t, const void* src, int64_t n, int64_t cols, int64_t rows, float* dst) {
