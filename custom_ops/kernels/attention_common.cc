@@ -90,7 +90,9 @@ int64_t scratch_floats(const AttentionGroup& a) {
   // Plus q times an int8 block's K scales, [R, head_dim] (row path on int8 codes).
   // Plus, for int4 blocks, a score term and a P.V term per row (row path) or per padded row (lanes).
   // Plus the lanes path's per row block key ranges (4 int64 per 16 rows and more).
-  return Rp * (2 * a.head_dim + 32 + 7) + 32 * (a.head_dim + a.v_head_dim) + a.head_dim + a.v_head_dim + 64 + 1024;
+  // Plus the lanes path's second K/V tile (16-bit rows: the next tile, converted during this one).
+  return Rp * (2 * a.head_dim + 32 + 7) + 2 * 32 * (a.head_dim + a.v_head_dim) + a.head_dim + a.v_head_dim + 64 +
+         1024;
 }
 
 const char* isa_name(Isa isa) {

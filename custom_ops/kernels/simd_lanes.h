@@ -52,9 +52,9 @@ constexpr bool lane_register_totals() {
   return 2 * MR * NK + MR + 1 <= V::kRegs;
 }
 
-template <class V, int MR, int NK, int64_t DC>
+template <class V, int MR, int NK, int64_t DC, class PF>
 OLEP_HOT void lane_scores(const float* const* qc, int64_t Rp, const float* kr, int64_t Drt, float* const* out,
-                          const float* const* lb, TilePrefetch* pf) {
+                          const float* const* lb, PF* pf) {
   using vf = typename V::vf;
   const int64_t D = DC > 0 ? DC : Drt;
   constexpr bool kRegTotals = lane_register_totals<V, MR, NK>();
@@ -108,9 +108,9 @@ OLEP_HOT void lane_scores(const float* const* qc, int64_t Rp, const float* kr, i
 // The same for raw bfloat16 q and K on levels with VDPBF16PS: qc[m] + i * Rp holds the q pairs
 // (2i, 2i + 1) of row vector m as 32-bit lanes, K pairs are broadcast as one 32-bit value, and the
 // finished scores are multiplied by sc.
-template <class V, int MR, int NK, int64_t DC>
+template <class V, int MR, int NK, int64_t DC, class PF>
 OLEP_HOT void lane_scores_bf16(const float* const* qc, int64_t Rp, const uint16_t* kr, int64_t Drt,
-                               float* const* out, typename V::vf sc, TilePrefetch* pf) {
+                               float* const* out, typename V::vf sc, PF* pf) {
   using vf = typename V::vf;
   const int64_t D = DC > 0 ? DC : Drt;
   constexpr bool kRegTotals = lane_register_totals<V, MR, NK>();
@@ -199,10 +199,10 @@ constexpr int64_t lane_score_steps(int64_t nb, int64_t tk, int64_t dblocks) {
 // The scores of the row vectors blk[0..nb) (row block indices, any order) for the first nk keys
 // (nk: a multiple of 8, at most TK) of a tile (keys past its n padded with zero K rows): groups of
 // lane_score_rows row vectors.
-template <class V, int64_t DC>
+template <class V, int64_t DC, class PF>
 OLEP_HOT void lane_tile_scores(const int64_t* blk, int64_t nb, const float* qsrc, const float* lbias, bool add_bias,
                                int64_t Rp, const float* kp, const uint16_t* kraw, typename V::vf sc, int64_t D,
-                               float* ptile, int nk, TilePrefetch* pf) {
+                               float* ptile, int nk, PF* pf) {
   constexpr int W = V::W, NK = lane_score_keys<V>(), NK1 = 8;
   int64_t i = 0;
   if constexpr (!V::kBf16Dot) {
@@ -251,9 +251,9 @@ OLEP_HOT void lane_tile_scores(const int64_t* blk, int64_t nb, const float* qsrc
 // acc + rr * Dv, its probabilities p(t, rr) = p[t * Rp + rr] (rows in lanes: one pointer, constant
 // offsets), its rescale factor c[rr]. Per key: RB broadcasts and NU V vector loads feed RB x NU
 // FMAs. One prefetch step per 8 keys. kSkipZero: skip the kUnseen pairs (see pv_block, simd_pv.h).
-template <class V, int RB, int NU, bool kSkipZero>
+template <class V, int RB, int NU, bool kSkipZero, class PF>
 OLEP_HOT void lane_pv(float* acc, int64_t Dv, const float* p, int64_t Rp, const float* v, int64_t n, const float* c,
-                      TilePrefetch* pf) {
+                      PF* pf) {
   using vf = typename V::vf;
   constexpr int W = V::W;
   vf o[RB][NU];
@@ -336,9 +336,9 @@ constexpr int64_t lane_pv_run_calls(int64_t len) {
 constexpr int kLanePvVectors = 2;
 
 // Rows [r0, r0 + RB) over all of v_head_dim (a multiple of W).
-template <class V, int RB, bool kSkipZero>
+template <class V, int RB, bool kSkipZero, class PF>
 OLEP_HOT void lane_pv_rows(float* st_acc, int64_t r0, int64_t Dv, const float* v, const float* ptile, int64_t Rp,
-                           int64_t n, const float* corr, TilePrefetch* pf) {
+                           int64_t n, const float* corr, PF* pf) {
   constexpr int W = V::W, NU = kLanePvVectors;
   float* acc = st_acc + r0 * Dv;
   int64_t d = 0;
@@ -348,9 +348,9 @@ OLEP_HOT void lane_pv_rows(float* st_acc, int64_t r0, int64_t Dv, const float* v
 }
 
 // Rows [r0, r0 + nr) (nr <= lane_pv_block_rows) through lane_pv_rows: the largest block, then 4, 2, 1.
-template <class V, bool kSkipZero>
+template <class V, bool kSkipZero, class PF>
 OLEP_HOT void lane_pv_flush(float* st_acc, int64_t r0, int nr, int64_t Dv, const float* v, const float* ptile,
-                            int64_t Rp, int64_t n, const float* corr, TilePrefetch* pf) {
+                            int64_t Rp, int64_t n, const float* corr, PF* pf) {
   constexpr int RB = lane_pv_block_rows<V>();
   if (nr == RB) {
     lane_pv_rows<V, RB, kSkipZero>(st_acc, r0, Dv, v, ptile, Rp, n, corr, pf);
@@ -444,6 +444,56 @@ void transpose_q(const AttentionGroup& a, int64_t valid, int64_t Rp, float scale
 }
 
 // Scratch: scratch_floats() in attention_common.cc covers the layout below.
+// The next tile's 16-bit K and V rows converted to float a few vectors per step() of the current
+// tile's micro-kernels (ConvertPrefetch::step), so that the conversions issue among their
+// multiply-adds instead of in a loop of their own before the tile: on Zen 4 VCVTPH2PS runs
+// beside the FMAs (16 FMAs + 4 conversions per 16 cycles, as fast as the FMAs alone), and the
+// separate loop cost ~10% of an MQA fp16 step in cache.
+template <class V>
+struct TileConvert {
+  const uint16_t* src = nullptr;  // the range being converted, `left` elements (a multiple of W)
+  float* dst = nullptr;
+  int64_t left = 0;
+  const uint16_t* src2 = nullptr;  // then this one
+  float* dst2 = nullptr;
+  int64_t left2 = 0;
+  int64_t per_step = 0;  // elements per step(), a multiple of W
+  bool bf16 = false;
+  // kn elements of K rows from k into kd (k null: none), then vn of V rows from v into vd, over
+  // `steps` calls of step(); finish() converts what the steps left.
+  void reset(const void* k, float* kd, int64_t kn, const void* v, float* vd, int64_t vn, int64_t steps,
+             bool is_bf16) {
+    constexpr int W = V::W;
+    if (k == nullptr) kn = 0;
+    src = static_cast<const uint16_t*>(kn > 0 ? k : v), dst = kn > 0 ? kd : vd, left = kn > 0 ? kn : vn;
+    src2 = static_cast<const uint16_t*>(v), dst2 = vd, left2 = kn > 0 ? vn : 0;
+    const int64_t vectors = (kn + vn) / W;
+    per_step = W * std::max<int64_t>(1, (vectors + steps - 1) / std::max<int64_t>(steps, 1));
+    bf16 = is_bf16;
+  }
+  OLEP_HOT void convert(int64_t m) {
+    constexpr int W = V::W;
+    for (int64_t e = 0; e < m; e += W) V::store(dst + e, bf16 ? V::load_bf16(src + e) : V::load_f16(src + e));
+    src += m, dst += m, left -= m;
+    if (left == 0) src = src2, dst = dst2, left = left2, left2 = 0;
+  }
+  OLEP_HOT void step() {
+    if (left > 0) convert(std::min(per_step, left));
+  }
+  void finish() {
+    while (left > 0) convert(left);
+  }
+};
+// A tile prefetcher whose steps also convert (TileConvert).
+template <class V>
+struct ConvertPrefetch : TilePrefetch {
+  TileConvert<V> cv;
+  OLEP_HOT void step() {
+    TilePrefetch::step();
+    cv.step();
+  }
+};
+
 template <class V>
 void attend_lanes(const AttentionGroup& a, int64_t key_begin, int64_t key_end, AttentionState* st, float* scratch,
                   KVEncoding enc = KVEncoding::kNative, bool fixed = false) {
@@ -457,7 +507,9 @@ void attend_lanes(const AttentionGroup& a, int64_t key_begin, int64_t key_end, A
   float* qt = scratch;             // [D, Rp] transposed, scaled queries
   float* ktile = qt + D * Rp;      // [TK, D]
   float* vtile = ktile + TK * D;   // [TK, Dv]
-  float* ptile = vtile + TK * Dv;  // [TK, Rp] scores, then probabilities
+  float* knext = vtile + TK * Dv;  // [TK, D] 16-bit rows: the next tile's K, converted during this one
+  float* vnext = knext + TK * D;   // [TK, Dv] and its V (TileConvert)
+  float* ptile = vnext + TK * Dv;  // [TK, Rp] scores, then probabilities
   float* mloc = ptile + TK * Rp;   // [Rp] running max, lanes
   float* lloc = mloc + Rp;         // [Rp] running sum, lanes
   float* corr = lloc + Rp;         // [Rp] this tile's rescale factor
@@ -551,7 +603,12 @@ void attend_lanes(const AttentionGroup& a, int64_t key_begin, int64_t key_end, A
   };
   const size_t es = stored_elem_bytes(a.dtype, enc);
   const vf neg_inf = V::set1(-INFINITY);
-  TilePrefetch pf;
+  // 16-bit rows (native): the next tile's K and V rows are converted into knext / vnext a few
+  // vectors per prefetch step of this tile's loops (TileConvert), pf's steps doing both.
+  const bool pipe = V::kRegs >= 32 && enc == KVEncoding::kNative && a.dtype != DType::kFloat32;
+  ConvertPrefetch<V> pf;
+  TilePrefetch* pf_plain = &pf;  // (the micro-kernels instantiated for the plain prefetcher)
+  const char* next_k = nullptr;  // the K rows knext / vnext hold (pipe), or null
   // pf.step() calls per tile (all row blocks live): one per head_dim block per score micro-kernel
   // call, then one per 8 keys per P.V call
   const int64_t dblocks = (D + kLaneScoreBlock - 1) / kLaneScoreBlock;
@@ -599,6 +656,25 @@ void attend_lanes(const AttentionGroup& a, int64_t key_begin, int64_t key_end, A
       const float* kp = nullptr;
       const uint16_t* kraw = nullptr;  // dot: raw bf16 K rows
       const float* vp;
+      bool converted = false;  // ktile / vtile hold this tile's rows, converted during the last tile
+      if (next_k != nullptr) {
+        pf.cv.finish();
+        if (next_k == krows && n == tk) {
+          std::swap(ktile, knext);
+          std::swap(vtile, vnext);
+          converted = true;
+        }
+        next_k = nullptr;
+      }
+      if (pipe) {  // the next tile, if whole, converted over this one's steps
+        const char *nk, *nv;
+        int64_t rows = 0;
+        tc.peek(&nk, &nv, &rows, 1);
+        if (rows == tk) {
+          pf.cv.reset(dot ? nullptr : nk, knext, tk * D, nv, vnext, tk * Dv, lane_steps, a.dtype == DType::kBFloat16);
+          next_k = nk;
+        }
+      }
       if (dot) {
         if (n == tk) {
           kraw = reinterpret_cast<const uint16_t*>(krows);
@@ -611,13 +687,13 @@ void attend_lanes(const AttentionGroup& a, int64_t key_begin, int64_t key_end, A
       } else if (a.dtype == DType::kFloat32 && enc == KVEncoding::kNative && n == tk) {
         kp = reinterpret_cast<const float*>(krows);
       } else {  // convert (dequantize), or pad a partial tile with zeros (K rows >= n must not be read)
-        convert_k_tile<V>(a, tc, n, tk, ktile, fixed);
+        if (!converted) convert_k_tile<V>(a, tc, n, tk, ktile, fixed);
         kp = ktile;
       }
       if (a.dtype == DType::kFloat32 && enc == KVEncoding::kNative) {
         vp = reinterpret_cast<const float*>(vrows);  // only rows < n are read
       } else {
-        convert_v_tile<V>(a, tc, n, n, vtile);
+        if (!converted) convert_v_tile<V>(a, tc, n, n, vtile);
         vp = vtile;
       }
 
@@ -643,12 +719,17 @@ void attend_lanes(const AttentionGroup& a, int64_t key_begin, int64_t key_end, A
         const bool add_bias = fixed && enc == KVEncoding::kInt4;
         const vf sc = V::set1(capped ? 1.0f : a.scale);  // dot: capped scores are scaled in the softcap below
         const uint16_t* kr2 = dot ? kraw : nullptr;
+        auto tile_scores = [&](auto dc) OLEP_LAMBDA_HOT {
+          constexpr int64_t DC = decltype(dc)::value;
+          if (pipe) lane_tile_scores<V, DC>(live_blocks, nlive, qsrc, lbias, add_bias, Rp, kp, kr2, sc, D, ptile, tk, &pf);
+          else lane_tile_scores<V, DC>(live_blocks, nlive, qsrc, lbias, add_bias, Rp, kp, kr2, sc, D, ptile, tk, pf_plain);
+        };
         if (D == 128)
-          lane_tile_scores<V, 128>(live_blocks, nlive, qsrc, lbias, add_bias, Rp, kp, kr2, sc, D, ptile, tk, &pf);
+          tile_scores(std::integral_constant<int64_t, 128>{});
         else if (D == 64)
-          lane_tile_scores<V, 64>(live_blocks, nlive, qsrc, lbias, add_bias, Rp, kp, kr2, sc, D, ptile, tk, &pf);
+          tile_scores(std::integral_constant<int64_t, 64>{});
         else
-          lane_tile_scores<V, 0>(live_blocks, nlive, qsrc, lbias, add_bias, Rp, kp, kr2, sc, D, ptile, tk, &pf);
+          tile_scores(std::integral_constant<int64_t, 0>{});
       }
 
       bool all_seen = true;  // every valid row sees every key of the tile
@@ -757,8 +838,14 @@ void attend_lanes(const AttentionGroup& a, int64_t key_begin, int64_t key_end, A
       auto flush = [&](int64_t r0, int64_t len) {
         while (len > 0) {
           const int nr = lane_pv_take<RB>(len);
-          if (all_seen) lane_pv_flush<V, false>(st->acc, r0, nr, Dv, vp, ptile, Rp, n, corr, &pf);
-          else lane_pv_flush<V, true>(st->acc, r0, nr, Dv, vp, ptile, Rp, n, corr, &pf);
+          if (pipe) {
+            if (all_seen) lane_pv_flush<V, false>(st->acc, r0, nr, Dv, vp, ptile, Rp, n, corr, &pf);
+            else lane_pv_flush<V, true>(st->acc, r0, nr, Dv, vp, ptile, Rp, n, corr, &pf);
+          } else if (all_seen) {
+            lane_pv_flush<V, false>(st->acc, r0, nr, Dv, vp, ptile, Rp, n, corr, pf_plain);
+          } else {
+            lane_pv_flush<V, true>(st->acc, r0, nr, Dv, vp, ptile, Rp, n, corr, pf_plain);
+          }
           r0 += nr;
           len -= nr;
         }
