@@ -24,8 +24,8 @@
 //
 // The pieces: simd_common.h (loaders, dot policies), simd_tiles.h (tile cursor, prefetch),
 // simd_pv.h (P.V), simd_rows.h (row path; its score loops in simd_row_scores.h, its int8 /
-// int4 code pieces in simd_row_codes.h), simd_lanes.h (lanes path); this header picks the
-// path per call.
+// int4 code pieces in simd_row_codes.h), simd_lanes.h (lanes path; its micro-kernels in
+// simd_lane_kernels.h); this header picks the path per call.
 //
 // Everything in these headers sits in an unnamed namespace inside olep::kernels::simd: each
 // ISA translation unit keeps its own copy of every function, compiled with its own flags. With
