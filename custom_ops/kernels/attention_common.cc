@@ -68,14 +68,16 @@ void finalize_scalar(const AttentionGroup& a, const AttentionState& s) {
       // NaN sum: a NaN reached this row (ONNX Attention propagates it); 0: no visible key -> zeros.
       // (A NaN row is written as the default NaN, not as acc * NaN: which NaN a product of two
       // NaNs keeps depends on the operand order the compiler picks, and bfloat16 keeps payloads.)
+      // Zeros are written as zeros, not acc * 0 (NaN where acc holds one).
       const bool nan_row = i < valid && std::isnan(s.l[r]);
       const float inv = i >= valid || nan_row ? 0.0f : (s.l[r] > 0.0f ? 1.0f / s.l[r] : 0.0f);
+      const float fill = nan_row ? NAN : 0.0f;  // when inv == 0
       const float* acc = s.acc + r * Dv;
       if (a.dtype == DType::kFloat32) {
         float* o = static_cast<float*>(a.out) + off;
-        for (int64_t d = 0; d < Dv; ++d) o[d] = nan_row ? NAN : acc[d] * inv;
+        for (int64_t d = 0; d < Dv; ++d) o[d] = inv == 0.0f ? fill : acc[d] * inv;
       } else {
-        for (int64_t d = 0; d < Dv; ++d) detail::store(a.dtype, a.out, off + d, nan_row ? NAN : acc[d] * inv);
+        for (int64_t d = 0; d < Dv; ++d) detail::store(a.dtype, a.out, off + d, inv == 0.0f ? fill : acc[d] * inv);
       }
     }
 }

@@ -48,16 +48,17 @@ void finalize_rows(const AttentionGroup& a, const AttentionState& s) {
       // (as finalize_scalar: NaN sum -> NaN row, nothing visible or padding -> zeros)
       const bool nan_row = i < valid && std::isnan(s.l[r]);
       const float inv = i >= valid || nan_row ? 0.0f : (s.l[r] > 0.0f ? 1.0f / s.l[r] : 0.0f);
-      const typename V::vf vi = V::set1(inv), qnan = V::set1(NAN);
+      const bool fill = inv == 0.0f;  // zeros (or the NaN row), not acc * 0
+      const typename V::vf vi = V::set1(inv), vfill = V::set1(nan_row ? NAN : 0.0f);
       const float* acc = s.acc + r * Dv;
       if (a.dtype == DType::kFloat32) {
         float* o = static_cast<float*>(a.out) + off;
-        for (int64_t d = 0; d < Dv; d += W) V::store(o + d, nan_row ? qnan : V::mul(V::load(acc + d), vi));
+        for (int64_t d = 0; d < Dv; d += W) V::store(o + d, fill ? vfill : V::mul(V::load(acc + d), vi));
       } else {
         uint16_t* o = static_cast<uint16_t*>(a.out) + off;
         const bool bf16 = a.dtype == DType::kBFloat16;
         for (int64_t d = 0; d < Dv; d += W) {
-          const typename V::vf x = nan_row ? qnan : V::mul(V::load(acc + d), vi);
+          const typename V::vf x = fill ? vfill : V::mul(V::load(acc + d), vi);
           if (bf16) V::store_bf16(o + d, x);
           else V::store_f16(o + d, x);
         }
