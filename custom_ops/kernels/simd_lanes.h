@@ -261,6 +261,17 @@ void attend_lanes(const AttentionGroup& a, int64_t key_begin, int64_t key_end, A
   ConvertPrefetch<V> pf;
   TilePrefetch* pf_plain = &pf;  // (the micro-kernels instantiated for the plain prefetcher)
   const char* next_k = nullptr;  // the K rows knext / vnext hold (pipe), or null
+  // Native blocks: the first kPrefetchTilesAhead tiles' K and V rows fetched into L2 at once, as
+  // the row path does (simd_rows.h); reset_next's spread prefetch covers every later tile. A call
+  // starts on rows no prefetch has touched (a decode step splits each kv head's keys into
+  // 2048-key ranges), and its first tiles otherwise waited on demand misses.
+  if (enc == KVEncoding::kNative) {
+    TileCursor sc{a, kmin, kmax, TK, es};
+    for (int t = 0; t < kPrefetchTilesAhead && sc.next(); ++t) {
+      pf_plain->reset(sc.krows, sc.n * D * static_cast<int64_t>(es), sc.vrows, sc.n * Dv * static_cast<int64_t>(es), 1);
+      pf_plain->step();  // the whole tile in one step
+    }
+  }
   // pf.step() calls per tile (all row blocks live): one per head_dim block per score micro-kernel
   // call, then one per 8 keys per P.V call
   const int64_t dblocks = (D + kLaneScoreBlock - 1) / kLaneScoreBlock;
