@@ -65,13 +65,8 @@ void finalize_scalar(const AttentionGroup& a, const AttentionState& s) {
     for (int64_t i = 0; i < S; ++i) {
       const int64_t r = h * S + i;
       const int64_t off = h * a.out_head_stride + i * a.out_row_stride;
-      // NaN sum: a NaN reached this row (ONNX Attention propagates it); 0: no visible key -> zeros.
-      // (A NaN row is written as the default NaN, not as acc * NaN: which NaN a product of two
-      // NaNs keeps depends on the operand order the compiler picks, and bfloat16 keeps payloads.)
-      // Zeros are written as zeros, not acc * 0 (NaN where acc holds one).
-      const bool nan_row = i < valid && std::isnan(s.l[r]);
-      const float inv = i >= valid || nan_row ? 0.0f : (s.l[r] > 0.0f ? 1.0f / s.l[r] : 0.0f);
-      const float fill = nan_row ? NAN : 0.0f;  // when inv == 0
+      const detail::RowScale rs = detail::finalize_row_scale(s, r, i, valid);
+      const float inv = rs.inv, fill = rs.fill;
       const float* acc = s.acc + r * Dv;
       if (a.dtype == DType::kFloat32) {
         float* o = static_cast<float*>(a.out) + off;

@@ -21,6 +21,21 @@ namespace detail {
 /// (The SIMD row path's W lane accumulators are such blocks already.)
 constexpr int64_t kScoreBlock = 16;
 
+/// How finalize writes row r (row i of its head, `valid` valid rows) of state s, at every level:
+/// out = acc * inv when inv != 0, else every element is `fill`: the default NaN when a NaN reached
+/// the row's sum (ONNX Attention propagates it), zeros when no key was visible or the row is
+/// padding. Neither case reads acc: acc * 0 is NaN where acc holds a NaN or inf, and acc * NaN
+/// keeps whichever NaN payload the compiler's operand order picks (bfloat16 keeps payloads).
+struct RowScale {
+  float inv, fill;
+};
+inline RowScale finalize_row_scale(const AttentionState& s, int64_t r, int64_t i, int64_t valid) {
+  if (i >= valid) return {0.0f, 0.0f};
+  const float l = s.l[r];
+  if (std::isnan(l)) return {0.0f, NAN};
+  return {l > 0.0f ? 1.0f / l : 0.0f, 0.0f};
+}
+
 /// q . k in float32 by kScoreBlock partial sums.
 inline float dot_blocked(const float* q, const float* k, int64_t D) {
   float s = 0.0f;

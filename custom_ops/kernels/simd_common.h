@@ -45,11 +45,9 @@ void finalize_rows(const AttentionGroup& a, const AttentionState& s) {
     for (int64_t i = 0; i < S; ++i) {
       const int64_t r = h * S + i;
       const int64_t off = h * a.out_head_stride + i * a.out_row_stride;
-      // (as finalize_scalar: NaN sum -> NaN row, nothing visible or padding -> zeros)
-      const bool nan_row = i < valid && std::isnan(s.l[r]);
-      const float inv = i >= valid || nan_row ? 0.0f : (s.l[r] > 0.0f ? 1.0f / s.l[r] : 0.0f);
-      const bool fill = inv == 0.0f;  // zeros (or the NaN row), not acc * 0
-      const typename V::vf vi = V::set1(inv), vfill = V::set1(nan_row ? NAN : 0.0f);
+      const detail::RowScale rs = detail::finalize_row_scale(s, r, i, valid);
+      const bool fill = rs.inv == 0.0f;
+      const typename V::vf vi = V::set1(rs.inv), vfill = V::set1(rs.fill);
       const float* acc = s.acc + r * Dv;
       if (a.dtype == DType::kFloat32) {
         float* o = static_cast<float*>(a.out) + off;
