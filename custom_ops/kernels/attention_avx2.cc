@@ -13,6 +13,7 @@ struct Avx2 {
   static constexpr int kRegs = 16;  // vector registers (ymm0-15)
   static constexpr bool kBf16Dot = false;  // no VDPBF16PS at this level
   static constexpr bool kHalfLineLoads = false;  // (a vector is half a line already)
+  static constexpr bool kVnni8 = false;  // no byte dot products (simd_quant4.h)
   // Software prefetch distance of one 16-bit query row's K/V stream (simd_rows.h, row_ahead):
   // measured a gain on Zen 3 and a loss on Zen 4 run at this level, so only on cores without
   // AVX-512.

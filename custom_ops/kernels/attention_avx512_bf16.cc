@@ -43,6 +43,28 @@ struct Avx512Bf16 : Avx512 {
   }
   static vf dot_i16(vf acc, vf a, vf b) { return cf(vpdpwssd(ci(acc), ci(a), ci(b))); }
   static vi idot(vi acc, vi a, vi b) { return vpdpwssd(acc, a, b); }
+
+  // Byte dot products (VPDPBUSD, AVX512_VNNI) for one query row over int4 codes (simd_quant4.h,
+  // scores_i4_walk_vnni): acc[i] += sum over the 4 bytes j of lane i of u8[4i + j] * s8[4i + j],
+  // exact in int32 (no saturation), accumulating in place as vpdpwssd above.
+  static constexpr bool kVnni8 = true;
+  static __m512i dpbusd(__m512i acc, __m512i u8, __m512i s8) {
+    __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u8), "vm"(s8));
+    return acc;
+  }
+  static vi iload(const void* p) { return _mm512_loadu_si512(p); }
+  static vi iset1_i8(int8_t x) { return _mm512_set1_epi8(x); }
+  static vi iand(vi a, vi b) { return _mm512_and_si512(a, b); }
+  static vi ishl8_i32(vi a) { return _mm512_slli_epi32(a, 8); }
+  static vi isrl4_i16(vi a) { return _mm512_srli_epi16(a, 4); }
+  // 2 W int16 at a and 2 W at b as 4 W bytes: their high bytes (x >> 8, signed) and their low
+  // bytes (x & 0xff, unsigned), a's then b's, in order.
+  static void split_i16(const int16_t* a, const int16_t* b, vi* hi, vi* lo) {
+    const __m512i x = _mm512_loadu_si512(a), y = _mm512_loadu_si512(b);
+    *hi = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(_mm512_srai_epi16(x, 8))),
+                             _mm512_cvtepi16_epi8(_mm512_srai_epi16(y, 8)), 1);
+    *lo = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(x)), _mm512_cvtepi16_epi8(y), 1);
+  }
 };
 
 }  // namespace

@@ -23,6 +23,7 @@ struct Avx512 {
   static vf load(const float* p) { return _mm512_loadu_ps(p); }
   // A 64-byte vector as two 32-byte loads (simd::HalfLineLoads, attention_simd.h).
   static constexpr bool kHalfLineLoads = true;
+  static constexpr bool kVnni8 = false;  // see Avx512Bf16 (simd_quant4.h)
   static vf load_halves(const float* p) {
     return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(p)), _mm256_loadu_ps(p + 8), 1);
   }
