@@ -844,7 +844,7 @@ void one_valid_row_among_padding() {
 // row and cut short (zero-padded partial tiles): every level against the scalar level, and the
 // avx512_bf16 level (VPDPWSSD) against the avx512 level (VPMADDWD + VPADDD, the same P.V code),
 // which must agree to float summation order. A wrong channel, nibble or pair order is off by
-// O(1).
+// O(1); at the row path the two AVX-512 levels must agree bit for bit.
 void quant_pages_match_scalar() {
   if (active_isa() == Isa::kScalar) return;
   const Isa level = active_isa();
@@ -879,25 +879,35 @@ void quant_pages_match_scalar() {
           first += r1 - r0;
         }
         const int64_t T = first;
-        std::vector<float> q(static_cast<size_t>(G * D));
-        for (auto& x : q) x = 30.0f * nd(rng);
-        AttentionGroup a = decode_group(q.data(), nullptr, blocks.data(), static_cast<int64_t>(blocks.size()), G, D, T,
-                                        1.0f / std::sqrt(static_cast<float>(D)));
-        // scalar, this level, and (avx512_bf16) the avx512 level
-        const Isa levels[3] = {Isa::kScalar, level, Isa::kAvx512};
-        std::vector<float> out[3];
-        const int passes = level == Isa::kAvx512Bf16 ? 3 : 2;
-        for (int pass = 0; pass < passes; ++pass) {
-          set_isa(levels[pass]);
-          out[pass].assign(static_cast<size_t>(G * D), 0.0f);
-          a.out = out[pass].data();
-          std::vector<float> scratch(static_cast<size_t>(attend_group_floats(a)));
-          attend_group(a, scratch.data());
-        }
-        set_isa(level);
-        for (size_t e = 0; e < static_cast<size_t>(G * D); ++e) {
-          CHECK_NEAR(out[1][e], out[0][e], 1e-4 * (1.0 + std::fabs(out[0][e])));
-          if (passes == 3) CHECK_NEAR(out[1][e], out[2][e], 2e-6 * (1.0 + std::fabs(out[2][e])));
+        // q at 30 sigma makes most rows' softmax one-hot (a score's last bits then move
+        // nothing); q at sigma 1 / 8 keeps every key's weight in play
+        for (float qsd : {30.0f, 0.125f}) {
+          std::vector<float> q(static_cast<size_t>(G * D));
+          for (auto& x : q) x = qsd * nd(rng);
+          AttentionGroup a = decode_group(q.data(), nullptr, blocks.data(), static_cast<int64_t>(blocks.size()), G, D, T,
+                                          1.0f / std::sqrt(static_cast<float>(D)));
+          // scalar, this level, and (avx512_bf16) the avx512 level
+          const Isa levels[3] = {Isa::kScalar, level, Isa::kAvx512};
+          std::vector<float> out[3];
+          const int passes = level == Isa::kAvx512Bf16 ? 3 : 2;
+          for (int pass = 0; pass < passes; ++pass) {
+            set_isa(levels[pass]);
+            out[pass].assign(static_cast<size_t>(G * D), 0.0f);
+            a.out = out[pass].data();
+            std::vector<float> scratch(static_cast<size_t>(attend_group_floats(a)));
+            attend_group(a, scratch.data());
+          }
+          set_isa(level);
+          // The row path (1 and 4 rows) sums the codes exactly in int32 at both AVX-512 levels
+          // (VPDPWSSD, and VPDPBUSD for one row's int4 scores, against VPMADDWD + VPADDD) and runs the
+          // same float code on the totals: the results must be equal bit for bit, which a wrong byte
+          // or nibble order in one channel's sums would break (a tolerance would not see it).
+          const bool exact = passes == 3 && G < 16;
+          for (size_t e = 0; e < static_cast<size_t>(G * D); ++e) {
+            CHECK_NEAR(out[1][e], out[0][e], 1e-4 * (1.0 + std::fabs(out[0][e])));
+            if (exact) CHECK(std::memcmp(&out[1][e], &out[2][e], sizeof(float)) == 0);
+            else if (passes == 3) CHECK_NEAR(out[1][e], out[2][e], 2e-6 * (1.0 + std::fabs(out[2][e])));
+          }
         }
       }
 }
