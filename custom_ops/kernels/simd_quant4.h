@@ -71,16 +71,18 @@ OLEP_COLD_REGS void scores_i4_walk_d(const int16_t* q, int64_t Drt, const uint8_
 // q16 . code = 256 (h . code) + l . code, each a VPDPBUSD (unsigned bytes x signed bytes, four
 // per 32-bit lane) over the codes as bytes (nibbles in [0, 15], valid as either). Per 8 W codes
 // one load, three instructions to split the nibbles and four VPDPBUSD, against two widening
-// loads, four nibble operations, four q loads and four VPDPWSSD on the 16-bit path. The sums are
-// int32 without saturation: the totals are the 16-bit path's exactly (both are exact whenever
-// the total fits in int32, which detail::int8_query_max bounds). A load of 4 W bytes holds two
-// int4_permute_q chunks: its low nibbles are chunk 2 m's low half then chunk 2 m + 1's, its high
-// nibbles their high halves. Zen 4, MHA 32 heads, 8K keys, 256-token pages, alternating builds
-// (tools/cpp/bench_quant_attention f16 8192 256 32 1 128 10 32): int4 / fp16 0.59-0.62 ->
-// 0.53-0.58; in cache (... f16 2048 256 1 1 128 400 1 1) 0.0160 -> 0.0146 ms.
+// loads, four nibble operations, four q loads and four VPDPWSSD on the 16-bit path. Both paths
+// add in int32 without saturation, so their totals agree modulo 2^32 and are exact (tests/cpp/
+// test_attention.cc holds this level to the avx512 level bit for bit); |q16| <= 32767 and codes
+// <= 15 keep every partial sum far from 2^31. A load of 4 W bytes holds two int4_permute_q
+// chunks: its low nibbles are chunk 2 m's low half then chunk 2 m + 1's, its high nibbles their
+// high halves. Zen 4, MHA 32 heads, 8K keys, 256-token pages, alternating builds
+// (tools/cpp/bench_quant_attention f16 8192 256 32 1 128 10 {32|1}): int4 / fp16 0.59-0.62 ->
+// 0.53-0.58 with each head's pages consecutive, 0.59-0.64 -> 0.59-0.61 in decode order; in cache
+// (... f16 2048 256 1 1 128 400 1 1) 0.0160 -> 0.0146 ms.
 // The same split for int8 codes (h . code as h . (code ^ 0x80) - 128 sum(h)) was 7% faster in
-// cache but 7% slower from DRAM (int8 / fp16 0.80-0.82 -> 0.86-0.87, four alternations), with
-// half-line loads too: int8 keeps the 16-bit walk.
+// cache but slower from DRAM (int8 / fp16 0.80 -> 0.86-0.88 consecutive, 0.74-0.76 -> 0.78-0.79
+// in decode order), with half-line loads too: int8 keeps the 16-bit walk.
 template <class V, int64_t kD>
 OLEP_COLD_REGS void scores_i4_walk_vnni(const int16_t* q, const uint8_t* kp, float* out, TilePrefetch* pf) {
   using vf = typename V::vf;
