@@ -189,6 +189,27 @@ struct Avx2 {
       x[k + 4] = _mm256_permute2f128_ps(u[k], u[k + 4], 0x31);
     }
   }
+  // An RB x RB matrix of blocks of W / RB lanes, transposed in registers: on entry block rr of
+  // x[g] holds row rr's part g, on exit block g of x[rr] (RB 2 or 4). scores_rows stores each
+  // row's W scores as one vector with it.
+  template <int RB>
+  __attribute__((always_inline)) static void transpose_blocks(vf* x) {
+    static_assert(RB == 2 || RB == 4, "transpose_blocks: 2 or 4 blocks");
+    if constexpr (RB == 2) {
+      const vf r0 = _mm256_permute2f128_ps(x[0], x[1], 0x20), r1 = _mm256_permute2f128_ps(x[0], x[1], 0x31);
+      x[0] = r0;
+      x[1] = r1;
+    } else {
+      const __m256d x0 = _mm256_castps_pd(x[0]), x1 = _mm256_castps_pd(x[1]);
+      const __m256d x2 = _mm256_castps_pd(x[2]), x3 = _mm256_castps_pd(x[3]);
+      const vf t0 = _mm256_castpd_ps(_mm256_unpacklo_pd(x0, x1)), t1 = _mm256_castpd_ps(_mm256_unpackhi_pd(x0, x1));
+      const vf t2 = _mm256_castpd_ps(_mm256_unpacklo_pd(x2, x3)), t3 = _mm256_castpd_ps(_mm256_unpackhi_pd(x2, x3));
+      x[0] = _mm256_permute2f128_ps(t0, t2, 0x20);
+      x[1] = _mm256_permute2f128_ps(t1, t3, 0x20);
+      x[2] = _mm256_permute2f128_ps(t0, t2, 0x31);
+      x[3] = _mm256_permute2f128_ps(t1, t3, 0x31);
+    }
+  }
   // sum2(a, b) adds two vectors lane-wise: float lanes (add) or int32 lanes (add_i32).
   template <class Sum>
   __attribute__((always_inline)) static vf transpose_reduce_by(const vf* acc, Sum sum2) {

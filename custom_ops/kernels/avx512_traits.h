@@ -185,6 +185,25 @@ struct Avx512 {
       x[k + 12] = _mm512_shuffle_f32x4(b, d, 0xdd);
     }
   }
+  // An RB x RB matrix of blocks of W / RB lanes, transposed in registers: on entry block rr of
+  // x[g] holds row rr's part g, on exit block g of x[rr] (RB 2 or 4). scores_rows stores each
+  // row's W scores as one vector with it.
+  template <int RB>
+  __attribute__((always_inline)) static void transpose_blocks(vf* x) {
+    static_assert(RB == 2 || RB == 4, "transpose_blocks: 2 or 4 blocks");
+    if constexpr (RB == 2) {
+      const vf r0 = _mm512_shuffle_f32x4(x[0], x[1], 0x44), r1 = _mm512_shuffle_f32x4(x[0], x[1], 0xee);
+      x[0] = r0;
+      x[1] = r1;
+    } else {
+      const vf a = _mm512_shuffle_f32x4(x[0], x[1], 0x44), b = _mm512_shuffle_f32x4(x[0], x[1], 0xee);
+      const vf c = _mm512_shuffle_f32x4(x[2], x[3], 0x44), d = _mm512_shuffle_f32x4(x[2], x[3], 0xee);
+      x[0] = _mm512_shuffle_f32x4(a, c, 0x88);
+      x[1] = _mm512_shuffle_f32x4(a, c, 0xdd);
+      x[2] = _mm512_shuffle_f32x4(b, d, 0x88);
+      x[3] = _mm512_shuffle_f32x4(b, d, 0xdd);
+    }
+  }
   // sum2(a, b) adds two vectors lane-wise: float lanes (add) or int32 lanes (add_i32).
   template <class Sum>
   __attribute__((always_inline)) static vf transpose_reduce_by(const vf* acc, Sum sum2) {

@@ -383,6 +383,35 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
             continue;
           }
           vf s = V::load(prow);
+          // The usual tile of a decode step: full, every key visible, no mask, no softcap, every
+          // score finite. The same results as the steps below with live == tile_bits (select
+          // keeps every lane), in fewer instructions: one finiteness test for the two checks,
+          // no lane selects.
+          if (n == W && live == tile_bits && mk.kind == MaskKind::kNone && !capped) {
+            vf f = s;
+            if (dot) f = V::mul(f, V::set1(a.scale));
+            if constexpr (kCodes) f = V::mul(f, V::set1(qsc[r]));
+            if (int4 && (kCodes || fixed)) f = V::add(f, V::set1(qbias[r]));
+            if (V::le_bits(V::abs(f), FLT_MAX) == tile_bits) {
+              float m_ref = st->m[r];
+              float c = 1.0f;
+              if (V::gt_bits(f, m_ref)) {
+                const float m_new = std::max(m_ref, V::reduce_max(f));
+                c = std::exp(m_ref - m_new);
+                st->l[r] *= c;
+                V::store(lsum + r * W, V::mul(V::load(lsum + r * W), V::set1(c)));
+                st->m[r] = m_ref = m_new;
+              }
+              const vf p = V::exp(V::sub(f, V::set1(m_ref)));
+              V::store(lsum + r * W, V::add(V::load(lsum + r * W), p));
+              corr[r] = c;
+              if constexpr (kCodes4) vbias[r] = V::reduce_add(V::mul(p, vminv));
+              if constexpr (kCodes) V::store(prow, V::mul(p, vscale));
+              else V::store(prow, p);
+              any = true;
+              continue;
+            }
+          }
           if (dot && !capped) s = V::mul(s, V::set1(a.scale));  // dot scores are unscaled
           if constexpr (kCodes) s = V::mul(s, V::set1(qsc[r]));  // fixed-point sums
           if (int4 && (kCodes || fixed)) s = V::add(s, V::set1(qbias[r]));  // the K minimums' part
