@@ -392,6 +392,7 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
             if (dot) f = V::mul(f, V::set1(a.scale));
             if constexpr (kCodes) f = V::mul(f, V::set1(qsc[r]));
             if (int4 && (kCodes || fixed)) f = V::add(f, V::set1(qbias[r]));
+            f = V::add(f, V::zero());  // as the zero bias below: a -0 score becomes +0 (the max's bits)
             if (V::le_bits(V::abs(f), FLT_MAX) == tile_bits) {
               float m_ref = st->m[r];
               float c = 1.0f;
