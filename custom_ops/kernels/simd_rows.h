@@ -386,7 +386,8 @@ void attend_impl(const AttentionGroup& a, int64_t key_begin, int64_t key_end, At
           // The usual tile of a decode step: full, every key visible, no mask, no softcap, every
           // score finite. The same results as the steps below with live == tile_bits (select
           // keeps every lane), in fewer instructions: one finiteness test for the two checks,
-          // no lane selects.
+          // no lane selects. (Its max / exp / sums steps mirror the general ones below: change
+          // both together.)
           if (n == W && live == tile_bits && mk.kind == MaskKind::kNone && !capped) {
             vf f = s;
             if (dot) f = V::mul(f, V::set1(a.scale));
