@@ -137,7 +137,7 @@ OLEP_COLD_REGS void scores_i4_rows(const int16_t* q16, int64_t D, const uint8_t*
                                    TilePrefetch* pf) {
   using vf = typename V::vf;
   constexpr int W = V::W, KB = W / RB;
-  alignas(64) float x[RB][W];
+  vf x[RB];  // x[g] lane rr * KB + tt: row rr, key g * KB + tt
   for (int g = 0; g < RB; ++g) {
     vf acc[W];
 #pragma GCC unroll 16
@@ -159,10 +159,11 @@ OLEP_COLD_REGS void scores_i4_rows(const int16_t* q16, int64_t D, const uint8_t*
         for (int tt = 0; tt < KB; ++tt) acc[rr * KB + tt] = V::dot_i16(V::dot_i16(acc[rr * KB + tt], ql, lo[tt]), qh, hi[tt]);
       }
     }
-    V::store(x[g], V::transpose_reduce_i32(acc));  // exact int32 totals, each converted once
+    x[g] = V::transpose_reduce_i32(acc);  // exact int32 totals, each converted once
   }
-  for (int rr = 0; rr < RB; ++rr)
-    for (int g = 0; g < RB; ++g) std::memcpy(ptile + rows[rr] * W + g * KB, &x[g][rr * KB], KB * sizeof(float));
+  V::template transpose_blocks<RB>(x);  // one vector store per row, as scores_rows
+#pragma GCC unroll 4
+  for (int rr = 0; rr < RB; ++rr) V::store(ptile + rows[rr] * W, x[rr]);
 }
 
 // P.V over int4 V row pairs: as pv_block_i16 (simd_pv.h) with NU unpacked loads of 2 * W bytes
