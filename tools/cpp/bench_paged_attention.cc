@@ -9,11 +9,16 @@
 //              page b+1 (each head's online-softmax state carried across calls of attend_range)
 //   paged_run  the pages of one (layer, head) one after another within 2 MiB slabs, the slabs in
 //              shuffled order: the layout the arena gives a prefill (a step's pages head by head)
+//   paged_split  paged_run's pages attended as the EP splits a long key range when a step has few
+//              (sequence, kv head) items (ops/attention_core.cc): `splits` ranges of whole 16-key
+//              multiples, each a kernel call with its own state, merged in order (only with
+//              splits >= 2)
 //   read       the read floor: the layer's K+V bytes read once, sequentially, with no arithmetic
 //              (stream_read over the one-block copy, as the decode benchmark's `limit`)
 //
 //   bench_paged_attention [dtype=f16|f32|bf16] [context=4096] [page_tokens=128] [heads=32]
 //                         [group=1] [head_dim=128] [rounds=30] [working_set_mib=256] [flush_mib=0]
+//                         [splits=0]
 //
 // working_set_mib: layers enough for at least that many MiB of K/V (1 with a small context and
 // few heads: one layer that stays in the caches, the compute time alone).
@@ -61,6 +66,7 @@ int main(int argc, char** argv) {
   const int64_t per_head = T * 2 * static_cast<int64_t>(row);
   const int64_t ws_mib = argc > 8 ? std::atoll(argv[8]) : 256;
   const size_t flush = argc > 9 ? static_cast<size_t>(std::atoll(argv[9])) << 20 : 0;
+  const int64_t splits = argc > 10 ? std::atoll(argv[10]) : 0;
   const int64_t layers = std::max<int64_t>(1, ((ws_mib << 20) + per_head * heads - 1) / (per_head * heads));
   const int64_t units = heads * layers;  // unit u = layer * heads + head
   const int64_t blocks = (T + P - 1) / P;
@@ -118,13 +124,31 @@ int main(int argc, char** argv) {
   const int64_t sf = state_floats(a);
   std::vector<float> states(static_cast<size_t>(sf * heads)), scratch(static_cast<size_t>(scratch_floats(a)) + 64);
 
+  // paged_split: one state per split range (the EP's split_range: whole 16-key multiples)
+  std::vector<float> split_states(static_cast<size_t>(sf * std::max<int64_t>(splits, 1)));
+  const int64_t split_chunk = splits >= 2 ? ((T + splits - 1) / splits + 15) / 16 * 16 : T;
+  auto split_head = [&](AttentionGroup& g) {
+    std::vector<AttentionState> ss(static_cast<size_t>(splits));
+    for (int64_t sp = 0; sp < splits; ++sp) {
+      init_state(g, split_states.data() + sp * sf, &ss[static_cast<size_t>(sp)]);
+      const int64_t k0 = std::min(T, sp * split_chunk), k1 = std::min(T, (sp + 1) * split_chunk);
+      if (k0 < k1) attend_range(g, k0, k1, &ss[static_cast<size_t>(sp)], scratch.data());
+    }
+    for (int64_t sp = 1; sp < splits; ++sp) merge_states(g, &ss[0], ss[static_cast<size_t>(sp)]);
+    finalize(g, ss[0]);
+  };
+
   // One layer-step over layer l's heads, head by head or page row by page row.
-  auto step = [&](const std::vector<std::vector<KVBlock>>& lists, int64_t l, bool by_row) {
+  auto step = [&](const std::vector<std::vector<KVBlock>>& lists, int64_t l, bool by_row, bool split = false) {
     for (int64_t h = 0; h < heads; ++h) {
       AttentionGroup& g = ga[static_cast<size_t>(h)];
       const auto& bl = lists[static_cast<size_t>(l * heads + h)];
       g.blocks = bl.data();
       g.num_blocks = static_cast<int64_t>(bl.size());
+      if (split) {
+        split_head(g);
+        continue;
+      }
       init_state(g, states.data() + h * sf, &st[static_cast<size_t>(h)]);
       if (!by_row) {
         attend_range(g, 0, T, &st[static_cast<size_t>(h)], scratch.data());
@@ -143,12 +167,14 @@ int main(int argc, char** argv) {
     const std::vector<std::vector<KVBlock>>* lists;  // null: the read floor
     bool by_row;
     std::vector<double> ms;
+    bool split = false;
   };
   std::vector<Variant> vs = {{"one", &one, false, {}},
                              {"paged", &pg, false, {}},
                              {"paged_row", &pg, true, {}},
-                             {"paged_run", &pr, false, {}},
-                             {"read", nullptr, false, {}}};
+                             {"paged_run", &pr, false, {}}};
+  if (splits >= 2) vs.push_back({"paged_split", &pr, false, {}, true});
+  vs.push_back({"read", nullptr, false, {}});
   volatile uint64_t sink = 0;
   char* flush_buf = flush > 0 ? huge_alloc(flush) : nullptr;
   for (int r = 0; r < rounds; ++r)
@@ -159,7 +185,7 @@ int main(int argc, char** argv) {
         for (int64_t l = 0; l < layers; ++l) {
           sink = sink + stream_read(flush_buf, flush);
           const auto t0 = std::chrono::steady_clock::now();
-          if (v.lists) step(*v.lists, l, v.by_row);
+          if (v.lists) step(*v.lists, l, v.by_row, v.split);
           else
             for (int64_t h = 0; h < heads; ++h)
               sink = sink + stream_read(cbase(l * heads + h), static_cast<size_t>(per_head));
@@ -168,7 +194,7 @@ int main(int argc, char** argv) {
       } else {
         const auto t0 = std::chrono::steady_clock::now();
         if (v.lists) {
-          for (int64_t l = 0; l < layers; ++l) step(*v.lists, l, v.by_row);
+          for (int64_t l = 0; l < layers; ++l) step(*v.lists, l, v.by_row, v.split);
         } else {
           for (int64_t u = 0; u < units; ++u) sink = sink + stream_read(cbase(u), static_cast<size_t>(per_head));
         }
@@ -186,7 +212,7 @@ int main(int argc, char** argv) {
   const double rd_min = *std::min_element(vs.back().ms.begin(), vs.back().ms.end());
   for (const Variant& v : vs) {
     const double mn = *std::min_element(v.ms.begin(), v.ms.end());
-    std::printf("  %-10s median %9.4f ms x%.3f   min %9.4f ms x%.3f   / read x%.3f (min x%.3f)\n", v.name,
+    std::printf("  %-11s median %9.4f ms x%.3f   min %9.4f ms x%.3f   / read x%.3f (min x%.3f)\n", v.name,
                 median(v.ms), median(v.ms) / base, mn, mn / base_min, median(v.ms) / rd, mn / rd_min);
   }
   return 0;
