@@ -31,7 +31,8 @@ namespace {  // internal linkage: each ISA translation unit its own copy (attent
 
 // qt[d * Rp + h * S + i] = q(head h, row i)[d] * scale for the valid rows: blocks of W rows x W
 // channels transposed in registers (V::transpose_square: W row loads, W stores of W lanes),
-// then the rows left (fewer than W per head) in bands of 16 channels: each row's 16 elements
+// then the rows left (fewer than W in all when every row is valid, else fewer than W per head)
+// in bands of 16 channels: each row's 16 elements
 // are one read, and the band's 16 rows of qt stay in L1 while the rows go by. (Row by row over
 // all of head_dim wrote every float to a new line of qt, with the dtype switch per element: a
 // 64-row prefill diagonal block at D = 128 on Zen 4, in cache, took 0.029 ms with it, 0.022 with
@@ -42,38 +43,54 @@ void transpose_q_as(const AttentionGroup& a, const T* q, int64_t valid, int64_t 
                     Cvt cvt) {
   using vf = typename V::vf;
   constexpr int W = V::W;
+  constexpr int64_t kBand = 16;
   const int64_t G = a.group_size, S = a.num_rows, D = a.head_dim, hs = a.q_head_stride, rs = a.q_row_stride;
   // (head_dim is a multiple of W on this path: attend_range sends other sizes to the scalar level)
-  const int64_t i_rest = valid / W * W;  // rows [i_rest, valid) of every head take the bands
   const vf sc = V::set1(scale);
-  for (int64_t h = 0; h < G; ++h)
-    for (int64_t i0 = 0; i0 < i_rest; i0 += W)
-      for (int64_t d0 = 0; d0 < D; d0 += W) {
-        vf x[W];
+  auto row = [&](int64_t r) { return q + (r / S) * hs + (r % S) * rs; };  // row r = h * S + i
+  // Rows r0 .. r0 + W - 1 (all valid), every channel.
+  auto block = [&](int64_t r0) {
+    const T* rp[W];
 #pragma GCC unroll 16
-        for (int k = 0; k < W; ++k) x[k] = V::mul(load(q + h * hs + (i0 + k) * rs + d0), sc);
-        V::transpose_square(x);
-        float* o = qt + d0 * Rp + h * S + i0;
+    for (int k = 0; k < W; ++k) rp[k] = row(r0 + k);
+    for (int64_t d0 = 0; d0 < D; d0 += W) {
+      vf x[W];
 #pragma GCC unroll 16
-        for (int k = 0; k < W; ++k) V::store(o + k * Rp, x[k]);
-      }
-  if (i_rest == valid) return;
-  constexpr int64_t kBand = 16;
-  for (int64_t d0 = 0; d0 < D; d0 += kBand) {
-    const int64_t nb = std::min(kBand, D - d0);
-    float* out = qt + d0 * Rp;
-    for (int64_t h = 0; h < G; ++h)
-      for (int64_t i = i_rest; i < valid; ++i) {
-        const T* p = q + h * hs + i * rs + d0;
-        float* o = out + h * S + i;
-        if (nb == kBand) {
+      for (int k = 0; k < W; ++k) x[k] = V::mul(load(rp[k] + d0), sc);
+      V::transpose_square(x);
+      float* o = qt + d0 * Rp + r0;
 #pragma GCC unroll 16
-          for (int64_t dd = 0; dd < kBand; ++dd) o[dd * Rp] = cvt(p[dd]) * scale;
-        } else {
-          for (int64_t dd = 0; dd < nb; ++dd) o[dd * Rp] = cvt(p[dd]) * scale;
-        }
-      }
+      for (int k = 0; k < W; ++k) V::store(o + k * Rp, x[k]);
+    }
+  };
+  // Row r, channels [d0, d0 + nb).
+  auto band = [&](int64_t r, int64_t d0, int64_t nb) {
+    const T* p = row(r) + d0;
+    float* o = qt + d0 * Rp + r;
+    if (nb == kBand) {
+#pragma GCC unroll 16
+      for (int64_t dd = 0; dd < kBand; ++dd) o[dd * Rp] = cvt(p[dd]) * scale;
+    } else {
+      for (int64_t dd = 0; dd < nb; ++dd) o[dd * Rp] = cvt(p[dd]) * scale;
+    }
+  };
+  if (valid == S) {
+    // Every row valid: blocks of any W consecutive rows, across heads where S is not a multiple
+    // of W (a decode step's S = 1: W heads per block). Blocks within each head left a decode
+    // step's rows all to the bands, ~7 us per call for MQA 32/1 fp16 (4096 scalar conversions
+    // and strided stores), as much as a few hundred keys: a KV split's start paid it again.
+    const int64_t R = G * S, r_rest = R / W * W;
+    for (int64_t r0 = 0; r0 < r_rest; r0 += W) block(r0);
+    for (int64_t d0 = 0; d0 < D; d0 += kBand)
+      for (int64_t r = r_rest; r < R; ++r) band(r, d0, std::min(kBand, D - d0));
+    return;
   }
+  const int64_t i_rest = valid / W * W;  // rows [i_rest, valid) of every head take the bands
+  for (int64_t h = 0; h < G; ++h)
+    for (int64_t i0 = 0; i0 < i_rest; i0 += W) block(h * S + i0);
+  for (int64_t d0 = 0; d0 < D; d0 += kBand)
+    for (int64_t h = 0; h < G; ++h)
+      for (int64_t i = i_rest; i < valid; ++i) band(h * S + i, d0, std::min(kBand, D - d0));
 }
 template <class V>
 void transpose_q(const AttentionGroup& a, int64_t valid, int64_t Rp, float scale, float* qt) {
