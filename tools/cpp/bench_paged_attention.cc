@@ -126,9 +126,9 @@ int main(int argc, char** argv) {
 
   // paged_split: one state per split range (the EP's split_range: whole 16-key multiples)
   std::vector<float> split_states(static_cast<size_t>(sf * std::max<int64_t>(splits, 1)));
+  std::vector<AttentionState> ss(static_cast<size_t>(std::max<int64_t>(splits, 1)));
   const int64_t split_chunk = splits >= 2 ? ((T + splits - 1) / splits + 15) / 16 * 16 : T;
   auto split_head = [&](AttentionGroup& g) {
-    std::vector<AttentionState> ss(static_cast<size_t>(splits));
     for (int64_t sp = 0; sp < splits; ++sp) {
       init_state(g, split_states.data() + sp * sf, &ss[static_cast<size_t>(sp)]);
       const int64_t k0 = std::min(T, sp * split_chunk), k1 = std::min(T, (sp + 1) * split_chunk);
