@@ -267,8 +267,8 @@ OLEP_HOT void lane_pv(float* acc, int64_t Dv, const float* p, int64_t Rp, const 
     for (int u = 0; u < NU; ++u) V::store(acc + rr * Dv + u * W, o[rr][u]);
 }
 
-// Rows of a P.V register block and vectors per lane_pv call: 8 x 2 at 32 vector registers, 6 x 2
-// at 16 (12 accumulators, 2 V vectors, 1 broadcast). Measured from L1 on a Xeon: AVX-512 8 x 2
+// Rows of a P.V register block: 8 at 32 vector registers (x 3 vectors, lane_pv_vectors), 6 at 16
+// (x 2: 12 accumulators, 2 V vectors, 1 broadcast). Measured from L1 on a Xeon: AVX-512 8 x 2
 // 95 GFMA/s, 4 x 4 82; AVX2 4 x 2 52, 2 x 4 44; on Zen 3 (AVX2, 32 KiB L1) 4 x 2 47, 6 x 2 45 from
 // L1, but in the kernel 6 x 2 reads each V tile from L2 a third fewer times (MQA 32/1 fp32/fp16/
 // bf16, 4K keys, tools/bench_lanes_kernel.py setting, alternating builds: 0.85-0.89x the median
@@ -314,17 +314,35 @@ constexpr int64_t lane_pv_run_calls(int64_t len) {
   }
   return calls;
 }
-constexpr int kLanePvVectors = 2;
+// Output vectors per lane_pv call (the rest of v_head_dim in calls of 2, then 1): 3 at 32 vector
+// registers (8 x 3 = 24 accumulators, 3 V vectors, a broadcast: 11 loads per 24 FMAs against 10
+// per 16 with 2, and a quarter fewer broadcasts of each probability), 2 at 16. The same sums in
+// the same order either way (each output element is one accumulator's), so results are bit for
+// bit those of 8 x 2. Zen 4, `avx512_bf16`, MQA 32/1, alternating builds, minimum ms: in cache
+// (tools/cpp/bench_paged_attention {f16|bf16|f32} 512 256 1 32 128 2000 1) fp16 0.0891-0.0902 ->
+// 0.0880-0.0891, bf16 0.0688-0.0699 -> 0.0678-0.0685, fp32 0.0843-0.0851 -> 0.0844-0.0855; 16K
+// keys from DRAM in the EP's 8 splits (... 16384 256 1 32 128 6 96 0 8) bf16 2.25-2.27 ->
+// 2.18-2.22, fp16 2.91-2.92 -> 2.88.
+template <int W>
+constexpr int lane_pv_vectors() {
+  return W >= 16 ? 3 : 2;
+}
 
 // Rows [r0, r0 + RB) over all of v_head_dim (a multiple of W).
 template <class V, int RB, bool kSkipZero, class PF>
 OLEP_HOT void lane_pv_rows(float* st_acc, int64_t r0, int64_t Dv, const float* v, const float* ptile, int64_t Rp,
                            int64_t n, const float* corr, PF* pf) {
-  constexpr int W = V::W, NU = kLanePvVectors;
+  constexpr int W = V::W, NU = lane_pv_vectors<W>();
   float* acc = st_acc + r0 * Dv;
   int64_t d = 0;
   for (; d + NU * W <= Dv; d += NU * W)
     lane_pv<V, RB, NU, kSkipZero>(acc + d, Dv, ptile + r0, Rp, v + d, n, corr + r0, pf);
+  if constexpr (NU > 2) {
+    if (d + 2 * W <= Dv) {
+      lane_pv<V, RB, 2, kSkipZero>(acc + d, Dv, ptile + r0, Rp, v + d, n, corr + r0, pf);
+      d += 2 * W;
+    }
+  }
   for (; d + W <= Dv; d += W) lane_pv<V, RB, 1, kSkipZero>(acc + d, Dv, ptile + r0, Rp, v + d, n, corr + r0, pf);
 }
 
@@ -352,10 +370,12 @@ OLEP_HOT void lane_pv_flush(float* st_acc, int64_t r0, int nr, int64_t Dv, const
   if (nr == 1) lane_pv_rows<V, 1, kSkipZero>(st_acc, r0, Dv, v, ptile, Rp, n, corr, pf);
 }
 
-// lane_pv calls of lane_pv_rows for Dv.
+// lane_pv calls of lane_pv_rows for Dv (blocks of lane_pv_vectors, then 2, then 1 vectors).
 template <int W>
 constexpr int64_t lane_pv_passes(int64_t Dv) {
-  return Dv / (kLanePvVectors * W) + (Dv % (kLanePvVectors * W)) / W;
+  constexpr int NU = lane_pv_vectors<W>();
+  const int64_t rest = Dv % (NU * W);
+  return Dv / (NU * W) + (NU > 2 && rest >= 2 * W ? 1 + (rest - 2 * W) / W : rest / W);
 }
 
 }  // namespace

@@ -22,7 +22,7 @@ namespace {  // internal linkage: each ISA translation unit its own copy (attent
 // Per tile it is two small GEMMs with register-blocked micro-kernels: scores = K tile x Q^T
 // (lane_scores: 2 row vectors x 4 keys; at 32 registers the running totals of the 16-element
 // partial sums stay in registers too, at 16 in the score tile; the K tile loaded or converted
-// once per tile) and O += P x V tile (lane_pv: 8 consecutive rows x 2 output
+// once per tile) and O += P x V tile (lane_pv: 8 consecutive rows x 3 output
 // vectors at 32 registers, 6 x 2 at 16; the probabilities broadcast from their lanes).
 // Measured (tools/bench_lanes_kernel.py, MQA 32/1, head_dim 128, 4K keys, 1 thread, shared
 // Xeon, K/V in caches or from memory): 1.5-1.7x the compute floor at AVX2, 1.9-2.2x at AVX-512
