@@ -136,16 +136,25 @@ def machine_kind(ls: Optional[Dict[str, str]] = None, flags: Optional[set] = Non
     return f"{name or platform.machine()} {isa}".strip()
 
 
-def source_revision() -> str:
-    """The source this package was built from: ``$OLEP_SOURCE_REVISION`` if set, else
-    ``git rev-parse --short=12 HEAD`` (``-dirty`` with uncommitted changes to tracked files other
-    than Markdown, which a ``--benchmarks-md`` run itself rewrites)
-    when the package is imported from a git checkout of this project, else
-    ``onnx_light_ep <version>`` (an installed package)."""
-    from .. import __version__
+#: The commit an installed package was built from, written by the CMake build (CMakeLists.txt):
+#: one line, empty when the build's source was not a git checkout.
+RECORDED_REVISION = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "source_revision.txt")
 
-    if os.environ.get("OLEP_SOURCE_REVISION"):
-        return os.environ["OLEP_SOURCE_REVISION"]
+
+def recorded_revision(path: str = RECORDED_REVISION) -> Optional[str]:
+    """The revision the build recorded in ``path``, or None (no file, or an empty one)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            rev = f.read().strip()
+    except OSError:
+        return None
+    return rev or None
+
+
+def checkout_revision() -> Optional[str]:
+    """``git rev-parse --short=12 HEAD`` (``-dirty`` with uncommitted changes to tracked files
+    other than Markdown, which a ``--benchmarks-md`` run itself rewrites) when this package is
+    imported from a git checkout of this project, else None."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
     def git(*args):
@@ -161,7 +170,19 @@ def source_revision() -> str:
                 return rev + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         pass
-    return f"onnx_light_ep {__version__}"
+    return None
+
+
+def source_revision() -> str:
+    """The source this package was built from: ``$OLEP_SOURCE_REVISION`` if set, else the
+    checkout's commit when the package is imported from a git checkout (``checkout_revision``),
+    else the commit its build recorded (``recorded_revision``, the same form, taken at build
+    time), else ``onnx_light_ep <version>`` (an installed package built from an sdist)."""
+    from .. import __version__
+
+    if os.environ.get("OLEP_SOURCE_REVISION"):
+        return os.environ["OLEP_SOURCE_REVISION"]
+    return checkout_revision() or recorded_revision() or f"onnx_light_ep {__version__}"
 
 
 #: ``_core.fma_peak`` level of the fp32 FMAs each attention ISA level runs (scalar: none).

@@ -3,6 +3,7 @@ BENCHMARKS.md blocks, and failures reported without losing the run. No timing as
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -105,6 +106,34 @@ def test_source_revision_env_and_checkout(monkeypatch):
     monkeypatch.delenv("OLEP_SOURCE_REVISION")
     rev = machine.source_revision()
     assert rev.startswith("onnx_light_ep ") or len(rev.split("-")[0]) == 12
+
+
+def test_recorded_revision(tmp_path):
+    """The commit the build wrote next to the package: read back stripped; none when the file is
+    missing or empty (a build from an sdist)."""
+    p = tmp_path / "source_revision.txt"
+    assert machine.recorded_revision(str(p)) is None
+    p.write_text("\n")
+    assert machine.recorded_revision(str(p)) is None
+    p.write_text("0123456789ab-dirty\n")
+    assert machine.recorded_revision(str(p)) == "0123456789ab-dirty"
+
+
+def test_installed_package_records_its_revision(monkeypatch):
+    """The CMake build installs source_revision.txt beside the package's modules; an installed
+    package built from a git checkout reports that commit, not only its version."""
+    monkeypatch.delenv("OLEP_SOURCE_REVISION", raising=False)
+    checkout = machine.checkout_revision()
+    if checkout is not None:  # imported from a git checkout, not an installed package: its HEAD
+        assert machine.source_revision() == checkout
+        return
+    assert os.path.isfile(machine.RECORDED_REVISION), machine.RECORDED_REVISION
+    rec = machine.recorded_revision()
+    if rec is None:  # built from an sdist: the version stands in
+        assert machine.source_revision().startswith("onnx_light_ep ")
+    else:
+        assert len(rec.split("-")[0]) == 12 and int(rec.split("-")[0], 16) >= 0
+        assert machine.source_revision() == rec
 
 
 def test_blocks_are_kept_per_machine_kind(tmp_path):
