@@ -19,6 +19,7 @@ holds no slab memory beyond what it held before.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import tempfile
 from collections import Counter
@@ -350,15 +351,18 @@ class PagedArena(RuleBasedStateMachine):
                     assert ps["live_bytes"] <= pool.memory_limit_bytes
 
     def teardown(self):
-        for s in self.snaps:
-            s.cp.close()
-        for e in self.live:
-            e.cache.close()
-        for p in self.pools:
-            if not p.closed:
-                assert p.stats()["live_bytes"] == 0
-                p.close()
-        assert _core.process_committed_bytes() == self.start_committed
+        try:
+            for s in self.snaps:
+                s.cp.close()
+            for e in self.live:
+                e.cache.close()
+            for p in self.pools:
+                if not p.closed:
+                    assert p.stats()["live_bytes"] == 0
+                    p.close()
+            assert _core.process_committed_bytes() == self.start_committed
+        finally:
+            shutil.rmtree(self.dir, ignore_errors=True)  # one per example: thousands per run otherwise
 
 
 PagedArena.TestCase.settings = settings(
