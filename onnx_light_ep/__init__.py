@@ -85,7 +85,7 @@ else:
     __version__ = "0.2.0"
 
     def convert(input_path, output_path, *, keep_present=(), sliding_window=None, cache_input="kv_cache",
-                check=True, stage=None, fuse_gqa=True):
+                check=True, stage=None, fuse_gqa=True, logits_to_keep=False):
         """Rewrite an exported decoder model to use a ``KVCache`` (``onnx_light_ep.rewrite.convert``,
         imported on first use so that ``import onnx_light_ep`` does not load onnx).
 
@@ -98,7 +98,9 @@ else:
         exporter); a folder holding ``prefill.onnx`` and ``decode.onnx`` as ``input_path``
         converts both into the folder ``output_path``;
         fuse_gqa: one ``CacheAttention`` per GroupQueryAttention taking its packed QKV and rotary
-        (True, default) or QKV Split + RotaryEmbedding nodes in front of it (False).
+        (True, default) or QKV Split + RotaryEmbedding nodes in front of it (False);
+        logits_to_keep: add the required int64 scalar input ``logits_to_keep`` that limits the LM
+        head to the last N positions of a run (0 = all; off by default).
 
         Returns an ``onnx_light_ep.rewrite.ConvertReport`` (a ``PairReport`` for a folder); raises
         ``onnx_light_ep.rewrite.ConvertError`` when nothing can be converted or an option is
@@ -107,7 +109,8 @@ else:
         from .rewrite import convert as _convert
 
         return _convert(input_path, output_path, keep_present=keep_present, sliding_window=sliding_window,
-                        cache_input=cache_input, check=check, stage=stage, fuse_gqa=fuse_gqa)
+                        cache_input=cache_input, check=check, stage=stage, fuse_gqa=fuse_gqa,
+                        logits_to_keep=logits_to_keep)
 
     __all__ = [
         "DEFAULT_PAGE_BYTES",

@@ -94,7 +94,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     try:
         report = convert(args.input, args.output, keep_present=args.keep_present or (),
                          sliding_window=args.sliding_window, cache_input=args.cache_input, check=not args.no_check,
-                         stage=args.stage, fuse_gqa=not args.no_fuse_gqa)
+                         stage=args.stage, fuse_gqa=not args.no_fuse_gqa, logits_to_keep=args.logits_to_keep)
     except (ConvertError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -346,6 +346,9 @@ def _add_rewrite_commands(sub) -> None:
     p.add_argument("--no-fuse-gqa", action="store_true",
                    help="GroupQueryAttention: keep a QKV Split and RotaryEmbedding nodes in front of CacheAttention "
                         "instead of one CacheAttention taking the packed QKV and rotary (same results)")
+    p.add_argument("--logits-to-keep", action="store_true",
+                   help="add the required int64 scalar input logits_to_keep: N >= 1 runs the LM head on the last N "
+                        "positions of a run only (a prefill's logits [B, 1, vocab] for N = 1), 0 on every position")
     p.add_argument("--json", metavar="FILE", help="write the report as JSON")
     p.set_defaults(func=_cmd_convert)
 

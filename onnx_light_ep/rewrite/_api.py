@@ -14,6 +14,7 @@ from onnx import TensorProto
 from ._config_windows import MAX_WINDOW, config_windows
 from ._convert import attempt
 from ._graph import FLOAT_TYPES, external_data_files
+from ._logits import logits_output_name
 from ._metadata import write_metadata
 from ._plan import Refusal
 
@@ -134,7 +135,7 @@ def _tensor_bytes(model: onnx.ModelProto) -> int:
 
 def convert(input_path, output_path, *, keep_present: Sequence[str] = (), sliding_window: Optional[int] = None,
             cache_input: str = "kv_cache", check: bool = True, stage: Optional[str] = None,
-            fuse_gqa: bool = True):
+            fuse_gqa: bool = True, logits_to_keep: bool = False):
     """Rewrite a decoder ONNX model so its attention uses a persistent ``KVCache``.
 
     Args:
@@ -170,6 +171,18 @@ def convert(input_path, output_path, *, keep_present: Sequence[str] = (), slidin
             on separate Q/K/V, the form written before the fused op existed;
             kept to compare the two (same arithmetic) and for libraries without
             the fused inputs.
+        logits_to_keep: add the required int64 scalar input
+            ``logits_to_keep`` in front of the LM head (``_logits``;
+            transformers' argument of that name): ``N >= 1`` computes the
+            logits of the last ``N`` positions of a run only, ``0`` of every
+            position. A prefill then runs the LM head on one row instead of
+            the prompt's (SmolLM2-135M: a fifth of its weight multiply-adds per
+            token) and returns ``[B, 1, vocab]`` instead of ``[B, S, vocab]``.
+            Recorded as ``onnx_light.logits_to_keep``; a graph whose LM head is
+            not found (see ``_logits``) is converted without it, with the reason
+            in the notes. False (default): the inputs stay the original's plus
+            the cache handle. ``generate``, ``chat`` and ``onnx-light`` convert
+            with it.
 
     Returns:
         :class:`ConvertReport`, or for a folder a :class:`PairReport`
@@ -196,7 +209,7 @@ def convert(input_path, output_path, *, keep_present: Sequence[str] = (), slidin
         from ._pair import convert_pair
 
         return convert_pair(src, dst, keep_present=keep_present, sliding_window=sliding_window,
-                            cache_input=cache_input, check=check)
+                            cache_input=cache_input, check=check, logits_to_keep=logits_to_keep)
     if not os.path.isfile(src):
         raise FileNotFoundError(f"convert: input_path; expected an ONNX file, got {src!r} "
                                 f"({'a folder' if os.path.isdir(src) else 'not found'})")
@@ -227,7 +240,7 @@ def convert(input_path, output_path, *, keep_present: Sequence[str] = (), slidin
     for _ in range(256):
         try:
             res = attempt(original, base_dir, excluded, keep, sliding_window, cache_input, stage, windows_from_config,
-                          fuse_gqa)
+                          fuse_gqa, logits_to_keep)
         except ValueError as e:
             raise ConvertError(str(e)) from e
         if not res.new_refusals:
@@ -262,7 +275,8 @@ def convert(input_path, output_path, *, keep_present: Sequence[str] = (), slidin
         "v_head_dim": p0.v_head_dim, "dtype": FLOAT_TYPES[p0.elem_type], "cache_input": cache_input,
         "source_pattern": ",".join(sorted({p.pattern for p in plans})),
         "padding_side": "right" if any(p.padding == "right" for p in plans) else "left",
-        "inputs": res.io_names, "logits_output": _logits_name(res.model), "commit_output": res.commit_output,
+        "inputs": res.io_names, "logits_output": logits_output_name(res.model),
+        "logits_to_keep": res.logits_to_keep, "commit_output": res.commit_output,
         "layers": [{k: v for k, v in x.items() if k not in ("notes", "attrs")} for x in layers],
         "tensor_pairs": tensor_pairs, "max_position": max_position, "stage": stage,
     }
@@ -317,13 +331,6 @@ def _check(src: str, dst: str) -> List[str]:
         if str(e0).splitlines()[0] == err:
             return [f"onnx.checker fails on the input model already, the same way: {err}"]
     raise ConvertError(f"convert: the converted model fails onnx.checker: {err}")
-
-
-def _logits_name(model: onnx.ModelProto) -> Optional[str]:
-    names = [o.name for o in model.graph.output]
-    if "logits" in names:
-        return "logits"
-    return names[0] if names else None
 
 
 def _untouched_pairs(res) -> List[List[str]]:

@@ -41,6 +41,7 @@ from ._decomposed import match_decomposed
 from ._gqa import match_gqa
 from ._mha import match_mha, match_ms_attention
 from ._graph import FLOAT_TYPES, GraphEditor
+from ._logits import add_logits_to_keep, logits_output_name
 from ._plan import DOMAIN, MS_DOMAIN, LayerPlan, Refusal, const_i64, dim_of, unsqueeze
 from ._shapes import Shapes, substitute_chain_shapes, substitute_shape
 
@@ -58,6 +59,7 @@ class Attempt:
     io_names: Dict[str, Optional[str]] = field(default_factory=dict)
     notes: List[str] = field(default_factory=list)
     commit_output: Optional[str] = None
+    logits_to_keep: Optional[str] = None  # the added input (``_logits``), or None
 
 
 def _attrs_problem(attrs: dict) -> Optional[str]:
@@ -167,7 +169,7 @@ def io_names(ed: GraphEditor) -> Dict[str, Optional[str]]:
 def attempt(original: onnx.ModelProto, base_dir: Optional[str], excluded: Dict[str, Refusal],
             keep_present: Sequence[str], sliding_window: Optional[int], cache_input: str,
             stage: Optional[str] = None, config_windows: Optional[List[Optional[int]]] = None,
-            fuse_gqa: bool = True) -> Attempt:
+            fuse_gqa: bool = True, logits_to_keep: bool = False) -> Attempt:
     """One conversion attempt on a copy of ``original`` (see module docstring)."""
     model = copy.deepcopy(original)
     ed = GraphEditor(model, base_dir)
@@ -327,6 +329,10 @@ def attempt(original: onnx.ModelProto, base_dir: Optional[str], excluded: Dict[s
                                                 f"past {past!r} is also read by {', '.join(users)}"))
     if res.new_refusals:
         return res
+    if logits_to_keep:
+        res.logits_to_keep, why = add_logits_to_keep(ed, logits_output_name(model))
+        if res.logits_to_keep is None:
+            res.notes.append(f"no logits_to_keep input (the logits of every position are computed): {why}")
     res.commit_output = _add_commit(ed, cache_input)
     _finish_opsets(model, any(p.needs_ms_domain for p in plans))
     ed.topo_sort()

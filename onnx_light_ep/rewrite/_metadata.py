@@ -17,6 +17,9 @@ Keys (all strings, prefix ``onnx_light.``):
                            "position_ids", "inputs_embeds"}`` → input name
                            or null
 ``logits_output``          name of the logits output (or null)
+``logits_to_keep``         name of the int64 scalar input that keeps the
+                           logits of the last N positions only (``_logits``;
+                           absent when the LM head was not found)
 ``commit_output``          name of the ``CacheCommit`` output (int64
                            ``[batch]``: lengths after the step), the last
                            graph output

@@ -129,7 +129,8 @@ class PairReport:
 
 
 def convert_pair(src_dir: str, dst_dir: str, *, keep_present: Sequence[str] = (),
-                 sliding_window: Optional[int] = None, cache_input: str = "kv_cache", check: bool = True) -> PairReport:
+                 sliding_window: Optional[int] = None, cache_input: str = "kv_cache", check: bool = True,
+                 logits_to_keep: bool = False) -> PairReport:
     """Convert ``src_dir/{prefill,decode}.onnx`` into ``dst_dir`` (see the module docstring).
 
     Both are written into a temporary folder inside ``dst_dir`` and moved into place only when
@@ -168,7 +169,7 @@ def convert_pair(src_dir: str, dst_dir: str, *, keep_present: Sequence[str] = ()
             keep = [k for k in keep_present if k in outputs[src]]
             reports[stage] = convert(src, os.path.join(tmp, os.path.basename(src)), keep_present=keep,
                                      sliding_window=sliding_window, cache_input=cache_input, check=check,
-                                     stage=stage)
+                                     stage=stage, logits_to_keep=logits_to_keep)
         try:
             check_pair_metadata(*(read_metadata(reports[s].output_path) for s in ("prefill", "decode")), "convert")
         except ValueError as e:
