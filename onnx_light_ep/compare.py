@@ -314,7 +314,8 @@ def compare(original, converted=None, *, prompt: Optional[str] = None,
             check_inputs(sess_a, known, "compare (original prefill)")
         check_inputs(dec_a, known + [p for p, _ in pasts.pairs], "compare (original)")
         for sb in {id(sess_b): sess_b, id(dec_b): dec_b}.values():
-            check_inputs(sb, known + [meta["cache_input"]] + [p for p, _ in pairs if p in _inputs(sb)],
+            check_inputs(sb, known + [meta["cache_input"]] + [p for p, _ in pairs if p in _inputs(sb)]
+                         + [x for x in [meta.get("logits_to_keep")] if x],
                          "compare (converted)")
         state_pairs = [(p, q) for p, q in pairs if p in _inputs(sess_b)]
         eb = PastFeeds(sess_b, state_pairs, batch_size, meta["head_dim"], meta["v_head_dim"]) if state_pairs else None
@@ -332,6 +333,8 @@ def compare(original, converted=None, *, prompt: Optional[str] = None,
                 ort_copied = pasts.update(out_a, first if step == 0 else None)
                 before = cache.stats()
                 fb = dict(state.feeds(sb), **{meta["cache_input"]: cache.handle})
+                if meta.get("logits_to_keep") in _inputs(sb):  # every position, as the original computes
+                    fb[meta["logits_to_keep"]] = np.array(0, dtype=np.int64)
                 if eb is not None:
                     fb.update(eb.values)
                 t2 = time.perf_counter()

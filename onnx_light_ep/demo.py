@@ -37,7 +37,8 @@ def _stamp(src: Path) -> dict:
     return {"onnx_light_ep": __version__, "source_built": info.get("built"), "source_size": st.st_size,
             "source_mtime": int(st.st_mtime), "metadata_format": "1",
             # 2: genai's GroupQueryAttention converts to one fused CacheAttention (packed QKV + rotary)
-            "conversion_format": "2"}
+            # 3: with the logits_to_keep input (a prefill runs the LM head on its last position)
+            "conversion_format": "3"}
 
 
 def ensure_converted(src: Path, out: TextIO = sys.stdout) -> Path:
@@ -54,7 +55,7 @@ def ensure_converted(src: Path, out: TextIO = sys.stdout) -> Path:
     except (OSError, ValueError):
         pass
     dst_dir.mkdir(parents=True, exist_ok=True)
-    report = convert(src / "model.onnx", dst)
+    report = convert(src / "model.onnx", dst, logits_to_keep=True)
     print(f"converted: {report.num_layers} x {', '.join(report.patterns)} -> ai.onnx_light.CacheAttention; "
           f"removed {len(report.removed_inputs)} past inputs / {len(report.removed_outputs)} present outputs "
           f"({dst})", file=out, flush=True)

@@ -100,6 +100,9 @@ class _EpRunner:
             so_patch(so)
         self.sess = InferenceSession(converted, so)
         self.path = converted
+        # the LM head on the last position only (convert's logits_to_keep input, when it found the head)
+        self.keep = ({"logits_to_keep": np.array(1, np.int64)}
+                     if "logits_to_keep" in {i.name for i in self.sess.get_inputs()} else {})
 
     def start(self, prompt: np.ndarray, capacity: int) -> int:
         from ..cache import KVCache
@@ -107,7 +110,7 @@ class _EpRunner:
         self.cache = KVCache.for_model(self.path, 1, capacity)
         self.total = prompt.shape[1]
         logits = self.sess.run(["logits"], {"input_ids": prompt, "attention_mask": np.ones_like(prompt),
-                                            "kv_cache": self.cache.handle})[0]
+                                            "kv_cache": self.cache.handle, **self.keep})[0]
         self.token = int(logits[0, -1].argmax())
         return self.token
 
@@ -115,7 +118,7 @@ class _EpRunner:
         self.total += 1
         logits = self.sess.run(["logits"], {"input_ids": np.array([[self.token]], np.int64),
                                             "attention_mask": np.ones((1, self.total), np.int64),
-                                            "kv_cache": self.cache.handle})[0]
+                                            "kv_cache": self.cache.handle, **self.keep})[0]
         self.token = int(logits[0, -1].argmax())
         return self.token
 
@@ -204,11 +207,11 @@ def _converted_model(src_dir: str, work_dir: str, progress) -> str:
     out = os.path.join(work_dir, os.path.basename(os.path.normpath(src_dir)) + "_onnx_light", "model.onnx")
     src = os.path.join(src_dir, "model.onnx")
     stamp = os.path.join(os.path.dirname(out), "source.json")
-    key = {"src": src, "mtime": os.path.getmtime(src), "size": os.path.getsize(src)}
+    key = {"src": src, "mtime": os.path.getmtime(src), "size": os.path.getsize(src), "logits_to_keep": True}
     if not (os.path.isfile(out) and os.path.isfile(stamp) and json.load(open(stamp)) == key):
         os.makedirs(os.path.dirname(out), exist_ok=True)
         progress(f"  converting {src} -> {out}")
-        convert(src, out)
+        convert(src, out, logits_to_keep=True)  # the EP runner's prefill keeps the last position's logits
         with open(stamp, "w") as f:
             json.dump(key, f)
     return out

@@ -212,7 +212,7 @@ def _beam_at(args, ctx: int) -> Dict:
     src_dir = str(ensure_smollm2_onnx(progress=False))
     converted = os.path.join(args.out_dir, "smollm2_onnx_light", "model.onnx")
     if not os.path.isfile(converted):
-        convert(os.path.join(src_dir, "model.onnx"), converted)
+        convert(os.path.join(src_dir, "model.onnx"), converted, logits_to_keep=True)
     cfg = json.load(open(os.path.join(src_dir, "genai_config.json")))["model"]
     dec = cfg["decoder"]
     row_bytes = dec["num_hidden_layers"] * dec["num_key_value_heads"] * 2 * dec["head_size"] * 4

@@ -40,10 +40,11 @@ def run_batch(prep: Prepared, *, max_new_tokens: int, temperature: float = 0.0, 
     session, meta, rows, eos, tok = prep.session, prep.meta, prep.rows, prep.eos, prep.tokenizer
     first, later = prep.step_sessions  # a prefill/decode pair: step 0 on its prefill graph, then its decode graph
     pairs = [tuple(p) for p in meta.get("tensor_pairs", [])]
+    keep_name = meta.get("logits_to_keep")
     pasts = PastFeeds(session, pairs, len(rows), meta["head_dim"], meta["v_head_dim"]) if pairs else None
     for s in {id(first): first, id(later): later}.values():
         check_inputs(s, ["input_ids", "attention_mask", "position_ids", "seqlens_k", "total_sequence_length",
-                         meta["cache_input"]] + [p for p, _ in pairs], "generate")
+                         meta["cache_input"]] + [p for p, _ in pairs] + [keep_name] * bool(keep_name), "generate")
     state = DecodeState(rows, meta["padding_side"], pad_token_id=min(eos) if eos else 0)
     logits_name = meta.get("logits_output") or session.get_outputs()[0].name
     rng = np.random.default_rng(seed)
@@ -81,10 +82,15 @@ def run_batch(prep: Prepared, *, max_new_tokens: int, temperature: float = 0.0, 
                     feeds = dict(state.feeds(run), **{meta["cache_input"]: cache.handle})
                     if pasts is not None:
                         feeds.update(pasts.values)
+                    # Every row's newest token in the last column (left padding, equal lengths, a
+                    # decode step): the LM head runs on that column only where the model can.
+                    last_only = state.padding_side == "left" or state.step > 0 or len(set(state.lengths)) == 1
+                    if keep_name and keep_name in {i.name for i in run.get_inputs()}:
+                        feeds[keep_name] = np.array(1 if last_only else 0, dtype=np.int64)
                     outs = dict(zip([o.name for o in run.get_outputs()], run.run(None, feeds)))
                     if pasts is not None:
                         pasts.update(outs)
-                    last = state.last_logits(outs[logits_name])
+                    last = outs[logits_name][:, -1] if last_only else state.last_logits(outs[logits_name])
             except Exception as e:
                 tick.close()
                 raise GenerateError(f"generate: the run of step {step} failed after "

@@ -202,10 +202,10 @@ def prepare(model, prompt=None, *, prompt_ids=None, chat: bool = False, max_new_
     except ValueError:
         tmp = tempfile.TemporaryDirectory(prefix="onnx_light_generate_")
         converted = os.path.join(tmp.name, "prefill.onnx" if decode else "model.onnx")
-        _convert(path, converted, stage="prefill" if decode else None)
+        _convert(path, converted, stage="prefill" if decode else None, logits_to_keep=True)
         path, meta = converted, read_metadata(converted)
         if decode:  # each graph of the pair in its role, as convert does for a folder
-            _convert(decode, os.path.join(tmp.name, "decode.onnx"), stage="decode")
+            _convert(decode, os.path.join(tmp.name, "decode.onnx"), stage="decode", logits_to_keep=True)
             decode = os.path.join(tmp.name, "decode.onnx")
     try:
         if decode is not None:

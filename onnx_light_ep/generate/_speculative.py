@@ -151,7 +151,7 @@ class DraftModelProposer:
 
     def propose(self, context: Sequence[int], k: int) -> List[int]:
         missing = list(context[self.length():])  # >= 1 token: the cache is a prefix of context[:-1]
-        logits = self.stepper.run(self.cache, np.array([missing], dtype=np.int64))[0, -1]
+        logits = self.stepper.run(self.cache, np.array([missing], dtype=np.int64), logits_to_keep=1)[0, -1]
         drafts = [int(logits.argmax())]
         while len(drafts) < k and drafts[-1] not in self.eos:
             logits = self.stepper.run(self.cache, np.array([[drafts[-1]]], dtype=np.int64))[0, -1]

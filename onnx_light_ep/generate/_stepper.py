@@ -55,7 +55,7 @@ class CacheStepper:
                              f"step on one graph: expected a one-graph model (generate's greedy/sampled loop runs "
                              f"pairs)")
         check_inputs(session, ["input_ids", "attention_mask", "position_ids", "seqlens_k", "total_sequence_length",
-                               meta["cache_input"]], where)
+                               meta["cache_input"]] + [x for x in [meta.get("logits_to_keep")] if x], where)
         self.session, self.meta, self.where = session, meta, where
         self._types = _input_types(session)
         self._out_names = [o.name for o in session.get_outputs()]
@@ -66,6 +66,9 @@ class CacheStepper:
         self._geometry = tuple(meta.get(k) for k in ("num_layers", "kv_num_heads", "head_dim", "v_head_dim", "dtype"))
         limit = meta.get("max_position")
         self._max_position = int(limit) if limit else None
+        keep = meta.get("logits_to_keep")
+        #: the model's ``logits_to_keep`` input (its LM head runs on the kept rows only), or None
+        self.keep_input: Optional[str] = keep if keep and keep in self._types else None
 
     def check_ids(self, cache, ids) -> np.ndarray:
         """``ids`` as int64 ``[B, S]`` after checking them against the model and ``cache`` (nothing runs).
@@ -122,8 +125,11 @@ class CacheStepper:
                              f"equal length")
         return int(lens[0]) if lens.size else 0
 
-    def feeds(self, cache, ids: np.ndarray) -> Dict[str, np.ndarray]:
-        """The inputs of one run of ``ids`` (int ``[B, S]``) after the positions ``cache`` holds."""
+    def feeds(self, cache, ids: np.ndarray, logits_to_keep: int = 0) -> Dict[str, np.ndarray]:
+        """The inputs of one run of ``ids`` (int ``[B, S]``) after the positions ``cache`` holds.
+
+        ``logits_to_keep`` is fed to a model that has the input (see :meth:`run`).
+        """
         ids, past = self._checked(cache, ids)
         b, s = ids.shape
         t = self._types
@@ -141,28 +147,44 @@ class CacheStepper:
         if "total_sequence_length" in t:
             out["total_sequence_length"] = np.array(past + s, dtype=_ORT_INT.get(t["total_sequence_length"],
                                                                                 np.int32))
+        if self.keep_input is not None:
+            out[self.keep_input] = np.array(logits_to_keep, dtype=np.int64)
         return out
 
-    def run(self, cache, ids: np.ndarray) -> np.ndarray:
-        """Append ``ids`` (``[B, S]``) to every row of ``cache``; returns float32 logits ``[B, S, vocab]``.
+    def run(self, cache, ids: np.ndarray, *, logits_to_keep: int = 0) -> np.ndarray:
+        """Append ``ids`` (``[B, S]``) to every row of ``cache``; returns float32 logits ``[B, K, vocab]``.
+
+        ``logits_to_keep``: ``0`` returns every position (``K = S``), ``N >= 1``
+        the last ``min(N, S)`` (transformers' argument of that name). A model
+        with the ``logits_to_keep`` input (``onnx_light_ep.convert`` adds it in
+        front of the LM head) computes those rows only; for one without, the
+        rows are cut from the full output.
 
         The run is a transaction (``onnx_light_ep.InferenceSession``): if it
         raises, the cache holds what it held before.
         """
-        feeds = self.feeds(cache, ids)
+        if isinstance(logits_to_keep, (bool, np.bool_)) or not isinstance(logits_to_keep, (int, np.integer)) \
+                or logits_to_keep < 0:
+            raise ValueError(f"{self.where}: logits_to_keep; expected an int >= 0 (0 = every position), got "
+                             f"{logits_to_keep!r}")
+        feeds = self.feeds(cache, ids, int(logits_to_keep))
         outs = dict(zip(self._out_names, self.session.run(None, feeds)))
         logits = np.asarray(outs[self._logits])
         s = feeds["input_ids"].shape[1]
-        if logits.ndim != 3 or logits.shape[1] != s:
+        k = min(int(logits_to_keep), s) if logits_to_keep else s
+        if self.keep_input is None and logits.ndim == 3 and logits.shape[1] == s:
+            logits = logits[:, s - k:]
+        if logits.ndim != 3 or logits.shape[1] != k:
             raise ValueError(f"{self.where}: logits output {self._logits!r} has shape {list(logits.shape)}; "
-                             f"expected [B, {s}, vocab] (one row per input token)")
+                             f"expected [B, {k}, vocab] (the last {k} of the {s} input tokens)")
         return logits.astype(np.float32, copy=False)
 
     def prefill(self, cache, ids: np.ndarray, *, chunk_tokens: Optional[int] = None,
                 progress: Optional[Callable[[int, int], None]] = None) -> np.ndarray:
         """Append a long ``ids`` ``[B, S]`` in runs of at most ``chunk_tokens`` (None = one run).
 
-        Returns the logits ``[B, vocab]`` of the last token; ``progress(done,
+        Returns the logits ``[B, vocab]`` of the last token (each run keeps
+        only its last row's logits: ``logits_to_keep=1``); ``progress(done,
         total)`` is called after each run.
         """
         arr = np.asarray(ids)
@@ -177,7 +199,7 @@ class CacheStepper:
         step = total if chunk_tokens is None else int(chunk_tokens)
         logits = None
         for start in range(0, total, step):
-            logits = self.run(cache, ids[:, start:start + step])
+            logits = self.run(cache, ids[:, start:start + step], logits_to_keep=1)
             if progress is not None:
                 progress(min(start + step, total), total)
         return logits[:, -1]

@@ -243,8 +243,8 @@ def test_interrupt_after_a_committed_run_is_undone(chat_model):
         real = chat._stepper.run
         calls = []
 
-        def run(cache, ids):
-            out = real(cache, ids)
+        def run(cache, ids, **kw):
+            out = real(cache, ids, **kw)
             calls.append(1)
             if len(calls) == 3:   # the prompt (prefill runs through run), answer token 1, token 2 committed
                 raise KeyboardInterrupt
@@ -274,11 +274,11 @@ def test_failed_run_leaves_the_cache_matching_the_ids(chat_model):
         real = chat._stepper.run
         calls = []
 
-        def run(cache, ids):
+        def run(cache, ids, **kw):
             calls.append(1)
             if len(calls) == 3:   # the prompt, answer token 1, then token 2 fails
                 raise RuntimeError("run failed")
-            return real(cache, ids)
+            return real(cache, ids, **kw)
 
         chat._stepper.run = run
         messages = chat.messages
