@@ -5,6 +5,7 @@
 // cross the C ABI: every callback catches and returns an OrtStatus.
 #include "provider/custom_ops.h"
 
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -107,16 +108,27 @@ struct InferCtx {
     return v;
   }
 
+  // An unknown dimension (-1) without a symbol gets a symbol of its own: ORT writes an unnamed
+  // inferred dimension into the graph as the value -1 (OrtShapeInferContext::SetOutputTypeShape),
+  // which then conflicts with any known value the model's value_info holds for that tensor ("Error
+  // merging shape info for output ... source:{-1,-1,-1,-1} target:{-1,4,-1,16}. Falling back to
+  // lenient merge" at every session of a converted optimum export) and with a graph output's actual
+  // shape. A fresh name per dimension claims no equality with any other dimension.
   void set_output(size_t i, ONNXTensorElementDataType type, const std::vector<int64_t>& dims,
                   const std::vector<std::string>& syms) {
+    static std::atomic<uint64_t> unknowns{0};
     OrtTensorTypeAndShapeInfo* info = nullptr;
     check(api().CreateTensorTypeAndShapeInfo(&info));
     std::unique_ptr<OrtTensorTypeAndShapeInfo, void (*)(OrtTensorTypeAndShapeInfo*)> guard(
         info, [](OrtTensorTypeAndShapeInfo* p) { api().ReleaseTensorTypeAndShapeInfo(p); });
     check(api().SetTensorElementType(info, type));
     check(api().SetDimensions(info, dims.data(), dims.size()));
+    std::vector<std::string> named(syms);
+    named.resize(dims.size());
+    for (size_t k = 0; k < dims.size(); ++k)
+      if (dims[k] < 0 && named[k].empty()) named[k] = "onnx_light_unk_" + std::to_string(unknowns++);
     std::vector<const char*> s;
-    for (const auto& x : syms) s.push_back(x.c_str());
+    for (const auto& x : named) s.push_back(x.c_str());
     check(api().SetSymbolicDimensions(info, s.data(), s.size()));
     check(api().ShapeInferContext_SetOutputTypeShape(ctx, i, info));
   }
