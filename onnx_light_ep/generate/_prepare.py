@@ -203,10 +203,17 @@ def prepare(model, prompt=None, *, prompt_ids=None, chat: bool = False, max_new_
         tmp = tempfile.TemporaryDirectory(prefix="onnx_light_generate_")
         converted = os.path.join(tmp.name, "prefill.onnx" if decode else "model.onnx")
         _convert(path, converted, stage="prefill" if decode else None, logits_to_keep=True)
-        path, meta = converted, read_metadata(converted)
         if decode:  # each graph of the pair in its role, as convert does for a folder
-            _convert(decode, os.path.join(tmp.name, "decode.onnx"), stage="decode", logits_to_keep=True)
-            decode = os.path.join(tmp.name, "decode.onnx")
+            dec = os.path.join(tmp.name, "decode.onnx")
+            _convert(decode, dec, stage="decode", logits_to_keep=True)
+            took = [bool(read_metadata(x).get("logits_to_keep")) for x in (converted, dec)]
+            if took[0] != took[1]:  # both graphs take the input or neither (check_pair_metadata)
+                if took[0]:
+                    _convert(path, converted, stage="prefill")
+                else:
+                    _convert(decode, dec, stage="decode")
+            decode = dec
+        path, meta = converted, read_metadata(converted)
     try:
         if decode is not None:
             check_pair_metadata(meta, read_metadata(decode), "generate")

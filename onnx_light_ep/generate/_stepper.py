@@ -22,6 +22,8 @@ from .._runner import _ORT_INT, _input_types, check_inputs
 
 __all__ = ["CacheStepper"]
 
+_INT64_MAX = int(np.iinfo(np.int64).max)
+
 
 class CacheStepper:
     """Feeds a converted model's session for caches whose rows all hold the same number of positions.
@@ -130,6 +132,7 @@ class CacheStepper:
 
         ``logits_to_keep`` is fed to a model that has the input (see :meth:`run`).
         """
+        keep = self._check_keep(logits_to_keep)
         ids, past = self._checked(cache, ids)
         b, s = ids.shape
         t = self._types
@@ -148,8 +151,15 @@ class CacheStepper:
             out["total_sequence_length"] = np.array(past + s, dtype=_ORT_INT.get(t["total_sequence_length"],
                                                                                 np.int32))
         if self.keep_input is not None:
-            out[self.keep_input] = np.array(logits_to_keep, dtype=np.int64)
+            out[self.keep_input] = np.array(keep, dtype=np.int64)
         return out
+
+    def _check_keep(self, n) -> int:
+        """``logits_to_keep`` as an int in [0, 2**63 - 1] (the input is int64), else ``ValueError``."""
+        if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)) or not 0 <= n <= _INT64_MAX:
+            raise ValueError(f"{self.where}: logits_to_keep; expected an int in [0, {_INT64_MAX}] (0 = every "
+                             f"position), got {n!r}")
+        return int(n)
 
     def run(self, cache, ids: np.ndarray, *, logits_to_keep: int = 0) -> np.ndarray:
         """Append ``ids`` (``[B, S]``) to every row of ``cache``; returns float32 logits ``[B, K, vocab]``.
@@ -163,15 +173,12 @@ class CacheStepper:
         The run is a transaction (``onnx_light_ep.InferenceSession``): if it
         raises, the cache holds what it held before.
         """
-        if isinstance(logits_to_keep, (bool, np.bool_)) or not isinstance(logits_to_keep, (int, np.integer)) \
-                or logits_to_keep < 0:
-            raise ValueError(f"{self.where}: logits_to_keep; expected an int >= 0 (0 = every position), got "
-                             f"{logits_to_keep!r}")
-        feeds = self.feeds(cache, ids, int(logits_to_keep))
+        keep = self._check_keep(logits_to_keep)
+        feeds = self.feeds(cache, ids, keep)
         outs = dict(zip(self._out_names, self.session.run(None, feeds)))
         logits = np.asarray(outs[self._logits])
         s = feeds["input_ids"].shape[1]
-        k = min(int(logits_to_keep), s) if logits_to_keep else s
+        k = min(keep, s) if keep else s
         if self.keep_input is None and logits.ndim == 3 and logits.shape[1] == s:
             logits = logits[:, s - k:]
         if logits.ndim != 3 or logits.shape[1] != k:

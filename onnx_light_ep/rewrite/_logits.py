@@ -15,9 +15,10 @@ positions of the run (all of them when ``N >= S``), ``0`` keeps every position.
 It is a required input: ORT logs a warning for every session of a model whose
 input has a default (an initializer of the same name), so the option is off
 unless asked for, and the converted model's inputs stay the original's plus the
-cache handle. In the graph: ``Slice(hidden, starts=[-max(N, 0)], ends=[max],
+cache handle. In the graph: ``Slice(hidden, starts=[-max(N, 0)], ends=[INT64_MAX],
 axes=[1])`` in front of the LM head, so the head and whatever follows it up to
-the logits output (a softcap, a cast) run on the kept rows only; the logits
+the logits output (a softcap, a cast) run on the kept rows only (a negative N
+keeps every position, as 0 does); the logits
 output's dimension 1 is renamed ``logits_length``.
 
 The LM head is found from the logits output backwards: through nodes that act
@@ -28,8 +29,12 @@ each the only reader of what the one before it wrote, to a ``MatMul``
 weight (an initializer, or a ``Transpose``/``Cast``/``DequantizeLinear``/
 ``Identity``/``Reshape`` of weights). Its first input must be rank 3 (``[B, S,
 H]``: by shape inference, or where inference stopped short of it, by the
-declared rank of the logits, which the head and the chain keep), and the
-logits' dimension 1 must be ``input_ids``' positions where both are named.
+declared rank of the logits, which the head and the chain keep), and where
+the graph names the positions (``input_ids`` ``[B, S]`` or ``inputs_embeds``
+``[B, S, H]``) the logits' declared dimension 1 and the head input's inferred
+one must be them (a seq-first ``[S, B, ...]`` layout would slice the batch).
+Constants in the chain are initializers or constant subgraphs, never inputs
+(an initializer that is also an input can be fed another shape).
 Anything else (a ``Gemm`` on flattened rows, logits read by another node, an
 opset below 10) leaves the graph as it was, with the reason in the report's
 notes. The kept rows' values are those of the full run up to the LM head
@@ -111,7 +116,9 @@ def _find_head(ed: GraphEditor, logits: str) -> Tuple[Optional[onnx.NodeProto], 
             cur = node.input[0]
             continue
         if default and node.op_type in _BINARY and len(node.input) == 2:
-            const = [ed.const_value(x) is not None or _is_weight(ed, x) for x in node.input]
+            # (an initializer that is also an input is fed at run time: not a constant)
+            const = [x not in ed.input_names and (ed.const_value(x) is not None or _is_weight(ed, x))
+                     for x in node.input]
             if const.count(True) != 1:
                 return None, chain, f"{node.op_type} {node.name!r} combines two computed tensors"
             other = node.input[const.index(False)]
@@ -155,19 +162,28 @@ def add_logits_to_keep(ed: GraphEditor, logits: Optional[str]) -> Tuple[Optional
         rank = 3
     if rank != 3:
         return None, f"the LM head's input {hidden!r} is not [B, S, H] (rank {rank})"
-    ids = ed.dims("input_ids") if "input_ids" in ed.input_names else None
+    # Axis 1 must be the positions: where the graph names them (input_ids [B, S] or inputs_embeds
+    # [B, S, H]), the logits' declared dimension 1 and the head input's inferred one must agree.
+    src = next((x for x in ("input_ids", "inputs_embeds") if x in ed.input_names), None)
+    src_dims = ed.dims(src) if src else None
+    pos = src_dims[1] if src_dims and len(src_dims) >= 2 else None
     seq = out_dims[1].dim_param or (out_dims[1].dim_value if out_dims[1].HasField("dim_value") else None)
-    if ids and len(ids) == 2 and ids[1] is not None and seq not in (None, "") and ids[1] != seq:
-        return None, (f"dimension 1 of the logits output ({seq!r}) is not input_ids' positions ({ids[1]!r}): "
-                      f"not a [B, S, vocab] layout")
+    hidden_dims = ed.dims(hidden)
+    for what, d in (("of the logits output", seq), (f"of the LM head's input {hidden!r}",
+                                                     hidden_dims[1] if hidden_dims else None)):
+        if pos is not None and d not in (None, "") and d != pos:
+            return None, (f"dimension 1 {what} ({d!r}) is not {src}'s positions ({pos!r}): not a [B, S, ...] "
+                          f"layout")
 
     ed.graph.input.append(helper.make_tensor_value_info(LOGITS_TO_KEEP, TensorProto.INT64, []))
     ed.refresh()
     n = ed.add_node1("Reshape", [LOGITS_TO_KEEP, ed.add_const(np.array([1], np.int64), "logits_to_keep/shape")],
                      hint="logits_to_keep/as_1d")
-    if ed.opset() >= 12:  # Max takes int64 from opset 12: a negative N keeps every position, as 0 does
-        n = ed.add_node1("Max", [n, ed.add_const(np.array([0], np.int64), "logits_to_keep/zero")],
-                         hint="logits_to_keep/at_least_0")
+    # A negative N keeps every position, as 0 does: Where(N < 0, 0, N) (Less and Where take int64
+    # from opset 9; Max only from 12).
+    zero = ed.add_const(np.array([0], np.int64), "logits_to_keep/zero")
+    n = ed.add_node1("Where", [ed.add_node1("Less", [n, zero], hint="logits_to_keep/negative"), zero, n],
+                     hint="logits_to_keep/at_least_0")
     starts = ed.add_node1("Neg", [n], hint="logits_to_keep/starts")
     kept = ed.add_node1("Slice", [hidden, starts, ed.add_const(np.array([_INT64_MAX], np.int64), "logits_to_keep/ends"),
                                   ed.add_const(np.array([1], np.int64), "logits_to_keep/axes")],

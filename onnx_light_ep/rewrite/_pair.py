@@ -103,6 +103,9 @@ def check_pair_metadata(prefill: Dict[str, Any], decode: Dict[str, Any], where: 
     windows = [[x.get("local_window_size", -1) for x in m.get("layers", [])] for m in (prefill, decode)]
     if windows[0] != windows[1]:
         bad.append(("layers[].local_window_size", windows[0], windows[1]))
+    keep = [m.get("logits_to_keep") for m in (prefill, decode)]
+    if bool(keep[0]) != bool(keep[1]):  # the loops feed one graph's inputs by the other's metadata
+        bad.append(("logits_to_keep", keep[0], keep[1]))
     if bad:
         what = "; ".join(f"{k}: prefill {a!r}, decode {b!r}" for k, a, b in bad)
         raise ValueError(f"{where}: the prefill and decode graphs cannot share one KVCache: their metadata "
@@ -170,6 +173,18 @@ def convert_pair(src_dir: str, dst_dir: str, *, keep_present: Sequence[str] = ()
             reports[stage] = convert(src, os.path.join(tmp, os.path.basename(src)), keep_present=keep,
                                      sliding_window=sliding_window, cache_input=cache_input, check=check,
                                      stage=stage, logits_to_keep=logits_to_keep)
+        took = {s: bool(r.metadata.get("logits_to_keep")) for s, r in reports.items()}
+        if took["prefill"] != took["decode"]:  # one graph's LM head was not found: neither takes the input
+            other = "decode" if took["prefill"] else "prefill"
+            why = next((n for n in reports[other].notes if n.startswith("no logits_to_keep input")), "")
+            for stage, src in zip(("prefill", "decode"), pair):
+                if took[stage]:
+                    keep = [k for k in keep_present if k in outputs[src]]
+                    reports[stage] = convert(src, os.path.join(tmp, os.path.basename(src)), keep_present=keep,
+                                             sliding_window=sliding_window, cache_input=cache_input, check=check,
+                                             stage=stage)
+                    reports[stage].notes.append(f"converted without logits_to_keep, as the {other} graph is "
+                                                f"({why})")
         try:
             check_pair_metadata(*(read_metadata(reports[s].output_path) for s in ("prefill", "decode")), "convert")
         except ValueError as e:

@@ -66,9 +66,11 @@ def test_logits_to_keep_is_checked_and_a_model_without_it_is_cut_in_numpy(tmp_pa
     st = CacheStepper(sess, meta)
     prompt = _prompt(name)
     with KVCache.for_model(sess, 1, 32) as cache:
-        for bad in (-1, True, 1.0, "1"):
-            with pytest.raises(ValueError, match="logits_to_keep; expected an int >= 0"):
+        for bad in (-1, True, np.bool_(True), 1.0, "1", 2 ** 63, np.uint64(2 ** 63)):
+            with pytest.raises(ValueError, match=r"logits_to_keep; expected an int in \[0, 9223372036854775807\]"):
                 st.run(cache, prompt, logits_to_keep=bad)
+            with pytest.raises(ValueError, match="logits_to_keep; expected an int in"):
+                st.feeds(cache, prompt, bad)
         assert list(cache.seq_lens) == [0]  # nothing ran
         last = st.run(cache, prompt, logits_to_keep=2)
     with KVCache.for_model(sess, 1, 32) as cache:
@@ -90,3 +92,38 @@ def test_pairs_take_it_in_both_graphs_and_generate_matches(name, tmp_path):
     a = generate(str(tmp_path / "keep"), prompt_ids=prompt, max_new_tokens=8)
     b = generate(str(tmp_path / "plain"), prompt_ids=prompt, max_new_tokens=8)
     assert a.token_ids == b.token_ids
+
+
+def test_a_pair_takes_it_in_both_graphs_or_neither(tmp_path):
+    """transformers_llama_mask with the prefill graph's logits also read by an ArgMax output: the
+    prefill graph's head cannot be pruned, so the decode graph is converted without the input too
+    (the loops feed both graphs by the prefill graph's metadata); graphs converted one by one that
+    disagree are refused by name."""
+    import shutil
+
+    import onnx
+    from onnx import TensorProto, helper
+
+    from onnx_light_ep.rewrite._pair import check_pair_metadata
+
+    src = str(tmp_path / "src")
+    shutil.copytree(os.path.join(DATA, "transformers_llama_mask"), src)
+    m = onnx.load(os.path.join(src, "prefill.onnx"))
+    logits = next(o.name for o in m.graph.output if "logits" in o.name)
+    m.graph.node.append(helper.make_node("ArgMax", [logits], ["next_token"], axis=-1, keepdims=0))
+    m.graph.output.append(helper.make_tensor_value_info("next_token", TensorProto.INT64, None))
+    onnx.save(m, os.path.join(src, "prefill.onnx"))
+
+    report = convert(src, str(tmp_path / "dst"), logits_to_keep=True)
+    assert "logits_to_keep" not in report.prefill.metadata and "logits_to_keep" not in report.decode.metadata
+    assert any("also read by ArgMax" in n for n in report.prefill.notes), report.prefill.notes
+    assert any("converted without logits_to_keep, as the prefill graph is" in n for n in report.decode.notes)
+    prompt = _prompt("transformers_llama_mask").tolist()
+    want = generate(str(tmp_path / "dst"), prompt_ids=prompt, max_new_tokens=4).token_ids
+    assert generate(src, prompt_ids=prompt, max_new_tokens=4).token_ids == want  # generate's own conversion
+
+    one = convert(os.path.join(src, "decode.onnx"), str(tmp_path / "decode.onnx"), stage="decode",
+                  logits_to_keep=True)
+    assert one.metadata["logits_to_keep"] == "logits_to_keep"
+    with pytest.raises(ValueError, match="logits_to_keep: prefill None, decode 'logits_to_keep'"):
+        check_pair_metadata(report.prefill.metadata, one.metadata, "generate")

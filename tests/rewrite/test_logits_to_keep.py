@@ -32,11 +32,19 @@ def _lm(kind: str = "plain", opset: int = 17) -> onnx.ModelProto:
     nodes = [oh.make_node("Gather", ["emb", "input_ids"], ["e"]), oh.make_node("Mul", ["e", "half"], ["h"])]
     inputs = [oh.make_tensor_value_info("input_ids", TP.INT64, ["batch", "seq"])]
     outputs = [oh.make_tensor_value_info("logits", TP.FLOAT, ["seq", "batch", V] if kind == "seq_first"
+                                         else [None, None, V] if kind == "transposed_hidden"
                                          else ["batch", "seq", V])]
     w = rng.standard_normal((H, V)).astype(np.float32)
     if kind == "transposed":  # the head as Transpose(W^T), as tied embeddings export
         inits.append(numpy_helper.from_array(np.ascontiguousarray(w.T), "wt"))
         nodes += [oh.make_node("Transpose", ["wt"], ["w"], perm=[1, 0]), oh.make_node("MatMul", ["h", "w"], ["logits"])]
+    elif kind == "transposed_hidden":  # [S, B, H] into the head, the logits' dims unnamed
+        inits.append(numpy_helper.from_array(w, "w"))
+        nodes += [oh.make_node("Transpose", ["h"], ["hs"], perm=[1, 0, 2]), oh.make_node("MatMul", ["hs", "w"], ["logits"])]
+    elif kind == "overridable_const":  # Mul by an initializer that is also an input: any shape can be fed
+        inits += [numpy_helper.from_array(w, "w"), numpy_helper.from_array(np.ones(1, np.float32), "scale")]
+        inputs.append(oh.make_tensor_value_info("scale", TP.FLOAT, None))
+        nodes += [oh.make_node("MatMul", ["h", "w"], ["raw"]), oh.make_node("Mul", ["raw", "scale"], ["logits"])]
     elif kind == "weight_input":
         inputs.append(oh.make_tensor_value_info("w", TP.FLOAT, [H, V]))
         nodes.append(oh.make_node("MatMul", ["h", "w"], ["logits"]))
@@ -90,12 +98,27 @@ def test_kept_rows_are_the_last_rows_of_the_full_run(kind):
     onnx.checker.check_model(model)
     sess = _session(model)
     assert [i.name for i in sess.get_inputs()] == ["input_ids", LOGITS_TO_KEEP]
-    for n, rows in ((0, S), (1, 1), (3, 3), (S, S), (S + 4, S), (-2, S)):  # negative keeps every row, as 0
+    for n, rows in ((0, S), (1, 1), (3, 3), (S, S), (S + 4, S), (-2, S), (2 ** 63 - 1, S), (-2 ** 63, S)):
         got = sess.run(["logits"], {"input_ids": IDS, LOGITS_TO_KEEP: np.array(n, np.int64)})[0]
         assert got.shape == (B, rows, V), (n, got.shape)
         np.testing.assert_allclose(got, full[:, S - rows:], rtol=RTOL, atol=ATOL, err_msg=f"logits_to_keep={n}")
     out = next(o for o in model.graph.output if o.name == "logits")
     assert [d.dim_param or d.dim_value for d in out.type.tensor_type.shape.dim] == ["batch", "logits_length", V]
+
+
+@pytest.mark.parametrize("opset", [10, 11, 12])
+def test_a_negative_count_keeps_every_row_at_every_opset(opset):
+    """Slice's bounds are inputs from opset 10; Max takes int64 only from 12, so the clamp of a
+    negative N is Where(N < 0, 0, N) (a bare -N at opset 11 dropped the first |N| rows)."""
+    full = _session(_lm("plain", opset)).run(["logits"], {"input_ids": IDS})[0]
+    model = _lm("plain", opset)
+    assert _pruned(model)[0] == LOGITS_TO_KEEP
+    sess = _session(model)
+    for n in (-1, -3):
+        got = sess.run(["logits"], {"input_ids": IDS, LOGITS_TO_KEEP: np.array(n, np.int64)})[0]
+        np.testing.assert_allclose(got, full, rtol=RTOL, atol=ATOL, err_msg=f"opset {opset}, N={n}")
+    got = sess.run(["logits"], {"input_ids": IDS, LOGITS_TO_KEEP: np.array(2, np.int64)})[0]
+    np.testing.assert_allclose(got, full[:, -2:], rtol=RTOL, atol=ATOL)
 
 
 def test_one_token_run_keeps_its_row():
@@ -113,7 +136,9 @@ def test_one_token_run_keeps_its_row():
     ("weight_input", 17, "does not multiply by a weight"),
     ("name_taken", 17, "already has a tensor named 'logits_to_keep'"),
     ("plain", 9, "opset 9 < 10"),
-    ("seq_first", 17, "is not input_ids' positions"),  # declared [S, B, vocab]: axis 1 is not the positions
+    ("seq_first", 17, "is not input_ids's positions"),  # declared [S, B, vocab]: axis 1 is not the positions
+    ("transposed_hidden", 17, "of the LM head's input 'hs' ('batch') is not input_ids's positions"),
+    ("overridable_const", 17, "combines two computed tensors"),
 ])
 def test_unprovable_heads_leave_the_graph_unchanged(kind, opset, reason):
     model = _lm(kind, opset)
