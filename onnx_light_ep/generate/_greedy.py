@@ -45,6 +45,8 @@ def run_batch(prep: Prepared, *, max_new_tokens: int, temperature: float = 0.0, 
     for s in {id(first): first, id(later): later}.values():
         check_inputs(s, ["input_ids", "attention_mask", "position_ids", "seqlens_k", "total_sequence_length",
                          meta["cache_input"]] + [p for p, _ in pairs] + [keep_name] * bool(keep_name), "generate")
+    # the input's name per session that takes it (a pair's graphs both do or neither: check_pair_metadata)
+    keeps = {id(s): keep_name for s in (first, later) if keep_name and keep_name in {i.name for i in s.get_inputs()}}
     state = DecodeState(rows, meta["padding_side"], pad_token_id=min(eos) if eos else 0)
     logits_name = meta.get("logits_output") or session.get_outputs()[0].name
     rng = np.random.default_rng(seed)
@@ -85,8 +87,8 @@ def run_batch(prep: Prepared, *, max_new_tokens: int, temperature: float = 0.0, 
                     # Every row's newest token in the last column (left padding, equal lengths, a
                     # decode step): the LM head runs on that column only where the model can.
                     last_only = state.padding_side == "left" or state.step > 0 or len(set(state.lengths)) == 1
-                    if keep_name and keep_name in {i.name for i in run.get_inputs()}:
-                        feeds[keep_name] = np.array(1 if last_only else 0, dtype=np.int64)
+                    if id(run) in keeps:
+                        feeds[keeps[id(run)]] = np.array(1 if last_only else 0, dtype=np.int64)
                     outs = dict(zip([o.name for o in run.get_outputs()], run.run(None, feeds)))
                     if pasts is not None:
                         pasts.update(outs)
