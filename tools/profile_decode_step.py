@@ -13,7 +13,7 @@ Profiling adds ~2 ms per step.
     python tools/profile_decode_step.py --precision int4 --context 8150 --threads 1
     python tools/profile_decode_step.py --precision fp32 --context 256 --threads 1
 
-The runners are ``onnx_light_ep.bench.e2e``'s (the model from ``load_model``: needs the
+The runners are those of ``onnx_light_ep.bench.e2e.default_makers`` (the model from ``load_model``: needs the
 ``models`` extra). ``--context`` + ``--steps`` + 1 must stay inside the model's positions.
 onnxruntime-genai's own loop is not profiled (it runs the export ``ort_past_present`` runs,
 with its own buffer management around ``Run``).
@@ -27,7 +27,7 @@ import time
 
 import numpy as np
 
-from onnx_light_ep.bench.e2e import _EpRunner, _OrtRunner, load_model
+from onnx_light_ep.bench.e2e import default_makers, load_model
 
 
 def timed_steps(runner, steps):
@@ -86,11 +86,7 @@ def main() -> None:
     os.makedirs(args.work_dir, exist_ok=True)
     prompt = np.random.default_rng(0).integers(100, model.vocab_size - 100, size=(1, args.context), dtype=np.int64)
     capacity = args.context + args.steps + 8
-    makers = {
-        "ep_kvcache": lambda patch: _EpRunner(model.converted, args.threads, patch),
-        "ort_past_present": lambda patch: _OrtRunner(os.path.join(model.src_dir, "model.onnx"), args.threads,
-                                                     model.kv_num_heads, model.head_dim, patch),
-    }
+    makers = {key: make for key, make in default_makers(model, args.threads) if key != "genai"}
     res = {key: _profile(make, prompt, capacity, args.steps, args.work_dir, key) for key, make in makers.items()}
     print(f"{model.name}, context {args.context}, {args.threads} thread(s), {args.steps} steps (first 2 not counted)")
     for key, (plain, by_op, run_ms) in res.items():
