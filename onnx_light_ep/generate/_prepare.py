@@ -186,7 +186,7 @@ def prepare(model, prompt=None, *, prompt_ids=None, chat: bool = False, max_new_
     from .._text import TextTokenizer, eos_token_ids as _eos_ids
     from ..rewrite import convert as _convert
     from ..rewrite import read_metadata
-    from ..rewrite._pair import check_pair_metadata, model_files
+    from ..rewrite._pair import check_pair_metadata, convert_stages, model_files
 
     max_new_tokens = check_positive_int(max_new_tokens, "generate", "max_new_tokens")
     check_threads(threads)
@@ -202,17 +202,13 @@ def prepare(model, prompt=None, *, prompt_ids=None, chat: bool = False, max_new_
     except ValueError:
         tmp = tempfile.TemporaryDirectory(prefix="onnx_light_generate_")
         converted = os.path.join(tmp.name, "prefill.onnx" if decode else "model.onnx")
-        _convert(path, converted, stage="prefill" if decode else None, logits_to_keep=True)
         if decode:  # each graph of the pair in its role, as convert does for a folder
             dec = os.path.join(tmp.name, "decode.onnx")
-            _convert(decode, dec, stage="decode", logits_to_keep=True)
-            took = [bool(read_metadata(x).get("logits_to_keep")) for x in (converted, dec)]
-            if took[0] != took[1]:  # both graphs take the input or neither (check_pair_metadata)
-                if took[0]:
-                    _convert(path, converted, stage="prefill")
-                else:
-                    _convert(decode, dec, stage="decode")
+            convert_stages({"prefill": path, "decode": decode}, {"prefill": converted, "decode": dec},
+                           logits_to_keep=True)
             decode = dec
+        else:
+            _convert(path, converted, logits_to_keep=True)
         path, meta = converted, read_metadata(converted)
     try:
         if decode is not None:

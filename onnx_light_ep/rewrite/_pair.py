@@ -131,6 +131,36 @@ class PairReport:
                 f"{self.prefill}\n{self.decode}")
 
 
+def convert_stages(srcs: Dict[str, str], dsts: Dict[str, str], *,
+                   keep_present: Optional[Dict[str, Sequence[str]]] = None, logits_to_keep: bool = False,
+                   **kwargs) -> Dict[str, Any]:
+    """Convert the two graphs of a pair, ``srcs[stage]`` -> ``dsts[stage]`` for stage ``prefill`` and
+    ``decode``, each in its role (``convert(..., stage=stage)``); returns their ``ConvertReport`` by stage.
+
+    With ``logits_to_keep`` both converted graphs take that input or neither: the loops feed one
+    graph's inputs by the other's metadata (:func:`check_pair_metadata` refuses a mismatch). When
+    one graph's LM head is not found, the other is converted again without it, with a note
+    saying why. ``keep_present`` per stage; ``kwargs`` go to every ``convert``.
+    """
+    from ._api import convert
+
+    keep_present = keep_present or {}
+
+    def one(stage: str, keep_logits: bool):
+        return convert(srcs[stage], dsts[stage], keep_present=keep_present.get(stage, ()), stage=stage,
+                       logits_to_keep=keep_logits, **kwargs)
+
+    reports = {stage: one(stage, logits_to_keep) for stage in ("prefill", "decode")}
+    took = {st: bool(r.metadata.get("logits_to_keep")) for st, r in reports.items()}
+    if took["prefill"] != took["decode"]:
+        other = "decode" if took["prefill"] else "prefill"
+        why = next((n for n in reports[other].notes if n.startswith("no logits_to_keep input")), "")
+        redo = "prefill" if took["prefill"] else "decode"
+        reports[redo] = one(redo, False)
+        reports[redo].notes.append(f"converted without logits_to_keep, as the {other} graph is ({why})")
+    return reports
+
+
 def convert_pair(src_dir: str, dst_dir: str, *, keep_present: Sequence[str] = (),
                  sliding_window: Optional[int] = None, cache_input: str = "kv_cache", check: bool = True,
                  logits_to_keep: bool = False) -> PairReport:
@@ -139,7 +169,7 @@ def convert_pair(src_dir: str, dst_dir: str, *, keep_present: Sequence[str] = ()
     Both are written into a temporary folder inside ``dst_dir`` and moved into place only when
     both converted and :func:`check_pair_metadata` accepts them: a failure leaves no output.
     """
-    from ._api import ConvertError, convert
+    from ._api import ConvertError
     from ._metadata import read_metadata
 
     pair = pair_in_folder(src_dir)
@@ -167,24 +197,12 @@ def convert_pair(src_dir: str, dst_dir: str, *, keep_present: Sequence[str] = ()
     os.makedirs(dst_dir, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".onnx_light_pair_", dir=dst_dir)
     try:
-        reports = {}
-        for stage, src in zip(("prefill", "decode"), pair):
-            keep = [k for k in keep_present if k in outputs[src]]
-            reports[stage] = convert(src, os.path.join(tmp, os.path.basename(src)), keep_present=keep,
-                                     sliding_window=sliding_window, cache_input=cache_input, check=check,
-                                     stage=stage, logits_to_keep=logits_to_keep)
-        took = {s: bool(r.metadata.get("logits_to_keep")) for s, r in reports.items()}
-        if took["prefill"] != took["decode"]:  # one graph's LM head was not found: neither takes the input
-            other = "decode" if took["prefill"] else "prefill"
-            why = next((n for n in reports[other].notes if n.startswith("no logits_to_keep input")), "")
-            for stage, src in zip(("prefill", "decode"), pair):
-                if took[stage]:
-                    keep = [k for k in keep_present if k in outputs[src]]
-                    reports[stage] = convert(src, os.path.join(tmp, os.path.basename(src)), keep_present=keep,
-                                             sliding_window=sliding_window, cache_input=cache_input, check=check,
-                                             stage=stage)
-                    reports[stage].notes.append(f"converted without logits_to_keep, as the {other} graph is "
-                                                f"({why})")
+        srcs = dict(zip(("prefill", "decode"), pair))
+        reports = convert_stages(srcs, {st: os.path.join(tmp, os.path.basename(src)) for st, src in srcs.items()},
+                                 keep_present={st: [k for k in keep_present if k in outputs[src]]
+                                               for st, src in srcs.items()},
+                                 sliding_window=sliding_window, cache_input=cache_input, check=check,
+                                 logits_to_keep=logits_to_keep)
         try:
             check_pair_metadata(*(read_metadata(reports[s].output_path) for s in ("prefill", "decode")), "convert")
         except ValueError as e:
