@@ -125,6 +125,8 @@ py::dict pool_stats(int64_t h) {
   d["num_slabs"] = s.num_slabs;
   d["num_caches"] = s.num_caches;
   d["num_checkpoints"] = s.num_checkpoints;
+  d["keep_free_bytes"] = s.keep_free_bytes;
+  d["empty_slab_bytes"] = s.empty_slab_bytes;
   return d;
 }
 
@@ -333,9 +335,16 @@ PYBIND11_MODULE(_core, m) {
   });
 
   // ---- pools ----
-  m.def("pool_create", [](int64_t memory_limit_bytes) {
-    return call("KVPool", [&] { return Registry::instance().add_pool(std::make_shared<olep::PagePool>(memory_limit_bytes)); });
-  });
+  m.def("pool_create", [](int64_t memory_limit_bytes, int64_t keep_free_bytes) {
+    return call("KVPool", [&] {
+      return Registry::instance().add_pool(std::make_shared<olep::PagePool>(memory_limit_bytes, keep_free_bytes));
+    });
+  }, py::arg("memory_limit_bytes"), py::arg("keep_free_bytes") = olep::kDefaultKeepFreeBytes);
+  m.def("pool_trim", [](int64_t h) {
+    auto p = call("KVPool.trim", [&] { return Registry::instance().pool(h); });
+    py::gil_scoped_release nogil;
+    return p->trim();
+  }, "Unmaps the pool's empty slabs; returns the bytes unmapped.");
   m.def("pool_release", [](int64_t h) { call("KVPool.close", [&] { Registry::instance().release_pool(h); return 0; }); });
   m.def("pool_stats", &pool_stats);
   m.def("pool_page_refs", [](int64_t h) {

@@ -36,6 +36,17 @@ class KVPool(NativeHandle):
             for caches created in this pool without their own; None = the
             library default (:func:`onnx_light_ep.default_page_tokens`, by head_dim
             and dtype).
+        keep_free_bytes: int >= 0 or None (``DEFAULT_KEEP_FREE_BYTES``, 64 MiB):
+            bound on the bytes of empty slabs (slabs whose pages are all free)
+            the pool keeps mapped for reuse, so a cache that truncates across a
+            page start and appends again (a rejected speculative draft, a beam
+            reorder, a chat turn re-run from a common prefix) reuses faulted-in
+            memory instead of unmapping and mapping it each step. 0 unmaps an
+            empty slab at once. Empty slabs are kept only while a cache or
+            checkpoint uses the pool and, under a budget, only while
+            ``live_bytes`` plus their bytes stay within ``memory_limit_bytes``;
+            :meth:`trim`, the last cache or checkpoint closing, and a failed
+            mapping unmap them all.
 
     Lifetime: :meth:`close` (or the ``with`` block) releases the pool; closing
     a pool that caches or checkpoints still use is a ``ValueError``. A pool
@@ -43,10 +54,13 @@ class KVPool(NativeHandle):
     cache closes. Thread safety: every method is safe from any thread.
     """
 
-    __slots__ = ("_h", "_page_tokens", "_limit", "__weakref__")
+    __slots__ = ("_h", "_page_tokens", "_limit", "_keep_free", "__weakref__")
     _kind = "KVPool"
 
-    def __init__(self, memory_limit_bytes: Optional[int] = None, *, page_tokens: Optional[int] = None) -> None:
+    DEFAULT_KEEP_FREE_BYTES = 64 << 20
+
+    def __init__(self, memory_limit_bytes: Optional[int] = None, *, page_tokens: Optional[int] = None,
+                 keep_free_bytes: Optional[int] = None) -> None:
         self._h: Optional[int] = None
         where = "KVPool"
         if memory_limit_bytes is None:
@@ -59,9 +73,16 @@ class KVPool(NativeHandle):
             page_tokens = as_int(page_tokens, where, "page_tokens")
             if page_tokens < 32 or page_tokens % 32 != 0 or page_tokens > 65536:
                 raise ValueError(f"{where}: page_tokens must be a multiple of 32 in [32, 65536], got {page_tokens}")
+        if keep_free_bytes is None:
+            keep_free = self.DEFAULT_KEEP_FREE_BYTES
+        else:
+            keep_free = as_int(keep_free_bytes, where, "keep_free_bytes")
+            if keep_free < 0:
+                raise ValueError(f"{where}: keep_free_bytes must be >= 0 (0 = unmap empty slabs at once), got {keep_free}")
         self._page_tokens = page_tokens
         self._limit = limit
-        self._h = int(_core.pool_create(limit))
+        self._keep_free = keep_free
+        self._h = int(_core.pool_create(limit, keep_free))
 
     @property
     def handle(self) -> int:
@@ -78,6 +99,15 @@ class KVPool(NativeHandle):
         """Budget of page bytes in use, or None for no limit."""
         return self._limit or None
 
+    @property
+    def keep_free_bytes(self) -> int:
+        """Bound on the empty slab bytes kept mapped for reuse (0 = none kept)."""
+        return self._keep_free
+
+    def trim(self) -> int:
+        """Unmap every empty slab now (``empty_slab_bytes`` becomes 0); returns the bytes unmapped."""
+        return int(_core.pool_trim(self._live("KVPool.trim")))
+
     def stats(self) -> Dict[str, int]:
         """Pool figures, a dict of int (bytes unless ``num_``).
 
@@ -85,10 +115,12 @@ class KVPool(NativeHandle):
         (pages in use by caches, checkpoints or a run's reservation) +
         ``free_bytes`` (free pages of mapped slabs) + ``overhead_bytes`` (slab
         tails no page fits in); ``shared_bytes`` (pages with more than one
-        holder, part of ``live_bytes``); ``memory_limit_bytes`` (0 = none);
-        ``num_pages``, ``num_free_pages``, ``num_slabs``, ``num_caches``,
-        ``num_checkpoints``. Each page is counted once, however many caches
-        share it.
+        holder, part of ``live_bytes``); ``empty_slab_bytes`` (slabs with no
+        page in use, kept mapped for reuse: their pages are in ``free_bytes``,
+        their tails in ``overhead_bytes``; at most ``keep_free_bytes``);
+        ``memory_limit_bytes`` (0 = none); ``keep_free_bytes``; ``num_pages``,
+        ``num_free_pages``, ``num_slabs``, ``num_caches``, ``num_checkpoints``.
+        Each page is counted once, however many caches share it.
         """
         return dict(_core.pool_stats(self._live("KVPool.stats")))
 

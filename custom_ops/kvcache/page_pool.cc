@@ -65,9 +65,13 @@ struct PagePool::Slab {
   int64_t num_pages = 0;
 };
 
-PagePool::PagePool(int64_t memory_limit_bytes) : limit_(memory_limit_bytes) {
+PagePool::PagePool(int64_t memory_limit_bytes, int64_t keep_free_bytes)
+    : limit_(memory_limit_bytes), keep_free_(keep_free_bytes) {
   if (memory_limit_bytes < 0)
     throw std::invalid_argument("memory_limit_bytes must be >= 0 (0 = no limit); got " + str(memory_limit_bytes));
+  if (keep_free_bytes < 0)
+    throw std::invalid_argument("keep_free_bytes must be >= 0 (0 = unmap empty slabs at once); got " +
+                                str(keep_free_bytes));
 }
 
 PagePool::~PagePool() {
@@ -145,6 +149,7 @@ uint32_t PagePool::map_slab_locked(SizeClass& c) {
   else free_slots_.pop_back();
   slabs_[slot] = std::move(slab);
   committed_ += c.slab_bytes;
+  empty_bytes_ += c.slab_bytes;
   free_bytes_ += c.pages_per_slab * c.page_bytes;
   num_free_ += c.pages_per_slab;
   ++num_slabs_;
@@ -165,10 +170,35 @@ void PagePool::unmap_slab_locked(uint32_t slot) noexcept {
   }
   munmap(s.map, s.map_bytes);
   committed_ -= s.bytes;
+  if (s.used == 0) empty_bytes_ -= s.bytes;
   --num_slabs_;
   g_process_committed.fetch_sub(s.bytes, std::memory_order_relaxed);
   slabs_[slot].reset();
   free_slots_.push_back(slot);
+}
+
+bool PagePool::retention_ok_locked() const noexcept {
+  if (empty_bytes_ == 0) return true;
+  if (num_caches_ + num_checkpoints_ <= 0 || empty_bytes_ > keep_free_) return false;
+  return limit_ == 0 || live_ + empty_bytes_ <= limit_;
+}
+
+int64_t PagePool::trim_locked(bool all) noexcept {
+  int64_t unmapped = 0;
+  // Highest slots first: allocation takes the lowest page ids, so the low slabs are the ones reused.
+  for (size_t s = slabs_.size(); s-- > 0 && empty_bytes_ > 0;) {
+    if (!all && retention_ok_locked()) break;
+    if (slabs_[s] && slabs_[s]->used == 0) {
+      unmapped += slabs_[s]->bytes;
+      unmap_slab_locked(static_cast<uint32_t>(s));
+    }
+  }
+  return unmapped;
+}
+
+int64_t PagePool::trim() noexcept {
+  std::lock_guard<std::mutex> lk(mu_);
+  return trim_locked(true);
 }
 
 void PagePool::allocate(int64_t page_bytes, int64_t n, std::vector<Page*>* out) {
@@ -185,12 +215,20 @@ void PagePool::allocate(int64_t page_bytes, int64_t n, std::vector<Page*>* out) 
                            str(need) + " bytes and " + str(live_) + " bytes are in use");
   SizeClass& c = size_class_locked(page_bytes);
   // Map the slabs the free list lacks; on failure unmap the ones mapped here (all or nothing).
-  std::vector<uint32_t> mapped;
+  const auto map_missing = [&] {
+    std::vector<uint32_t> mapped;
+    try {
+      while (static_cast<int64_t>(c.free.size()) < n) mapped.push_back(map_slab_locked(c));
+    } catch (...) {
+      for (uint32_t slot : mapped) unmap_slab_locked(slot);
+      throw;
+    }
+  };
   try {
-    while (static_cast<int64_t>(c.free.size()) < n) mapped.push_back(map_slab_locked(c));
-  } catch (...) {
-    for (uint32_t slot : mapped) unmap_slab_locked(slot);
-    throw;
+    map_missing();
+  } catch (const MemoryLimitError&) {
+    if (trim_locked(true) == 0) throw;  // the empty slabs kept for reuse go first, then one retry
+    map_missing();
   }
   out->reserve(out->size() + static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) {
@@ -199,13 +237,15 @@ void PagePool::allocate(int64_t page_bytes, int64_t n, std::vector<Page*>* out) 
     Page* pg = page_locked(id);
     pg->refs = 1;
     pg->encoding = 0;
-    ++slabs_[pg->slab]->used;
+    Slab& slab = *slabs_[pg->slab];
+    if (slab.used++ == 0) empty_bytes_ -= slab.bytes;
     out->push_back(pg);
   }
   live_ += need;
   free_bytes_ -= need;
   num_live_ += n;
   num_free_ -= n;
+  if (!retention_ok_locked()) trim_locked(false);  // slabs of other sizes kept past the budget
 }
 
 void PagePool::retain(const Page* const* pages, size_t n) {
@@ -233,7 +273,11 @@ void PagePool::release(const Page* const* pages, size_t n) noexcept {
     ++num_free_;
     auto c = classes_.find(p->bytes);  // exists: the page was allocated from it
     if (c != classes_.end()) c->second.free.insert(p->id);
-    if (--slabs_[p->slab]->used == 0) unmap_slab_locked(p->slab);
+    Slab& slab = *slabs_[p->slab];
+    if (--slab.used == 0) {
+      empty_bytes_ += slab.bytes;
+      if (!retention_ok_locked()) unmap_slab_locked(p->slab);
+    }
   }
 }
 
@@ -261,6 +305,8 @@ PoolStats PagePool::stats() const {
   s.num_slabs = num_slabs_;
   s.num_caches = num_caches_;
   s.num_checkpoints = num_checkpoints_;
+  s.keep_free_bytes = keep_free_;
+  s.empty_slab_bytes = empty_bytes_;
   return s;
 }
 
@@ -277,11 +323,13 @@ std::vector<std::pair<uint32_t, uint32_t>> PagePool::page_refs() const {
 void PagePool::add_cache(int delta) {
   std::lock_guard<std::mutex> lk(mu_);
   num_caches_ += delta;
+  if (num_caches_ + num_checkpoints_ <= 0) trim_locked(true);
 }
 
 void PagePool::add_checkpoint(int delta) {
   std::lock_guard<std::mutex> lk(mu_);
   num_checkpoints_ += delta;
+  if (num_caches_ + num_checkpoints_ <= 0) trim_locked(true);
 }
 
 int64_t PagePool::process_committed_bytes() { return g_process_committed.load(std::memory_order_relaxed); }

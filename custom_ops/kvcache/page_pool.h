@@ -7,7 +7,17 @@
 // a multiple of 2 MiB, faulted in at creation and backed by transparent huge
 // pages where the kernel allows (MADV_HUGEPAGE before the first touch, then
 // MADV_COLLAPSE; best effort), so streaming K/V from pages runs at huge-page
-// bandwidth. A slab whose pages are all free is unmapped at once.
+// bandwidth.
+//
+// Empty slabs (every page free) are kept mapped for reuse, so a cache that
+// truncates across a page start and appends again (a speculative step, a beam
+// reorder, a chat turn re-run from a common prefix) does not unmap and fault
+// in the same memory step after step. The retention is bounded: an empty slab
+// stays mapped only while the pool has a user (a cache or a checkpoint), the
+// empty slabs' bytes stay within `keep_free_bytes`, and, under a budget,
+// live_bytes plus those bytes stay within `memory_limit_bytes`; any other
+// empty slab is unmapped at once. The last user leaving, trim(), and a failed
+// mapping (before its retry) unmap every empty slab.
 //
 // Every page has a reference count: the number of holders (page tables,
 // checkpoints, a step's reservation). A page with refs > 1 is shared and is
@@ -61,18 +71,28 @@ struct PoolStats {
   int64_t num_slabs = 0;
   int64_t num_caches = 0;          // caches using the pool
   int64_t num_checkpoints = 0;     // checkpoints holding its pages
+  int64_t keep_free_bytes = 0;     // bound on empty_slab_bytes (0 = unmap empty slabs at once)
+  int64_t empty_slab_bytes = 0;    // slab bytes of mapped slabs with no page in use (part of committed)
 };
+
+/// Default bound on the empty slab bytes a pool keeps mapped: 64 MiB, twice the pages a decode
+/// step across a page start takes for batch 1 of a 32-layer, 8-kv-head, head_dim-128 fp16 model
+/// with 256-token pages (32 MiB).
+constexpr int64_t kDefaultKeepFreeBytes = int64_t{64} << 20;
 
 class PagePool {
  public:
-  /// memory_limit_bytes: budget of live page bytes, 0 = none (std::invalid_argument if < 0).
-  explicit PagePool(int64_t memory_limit_bytes = 0);
+  /// memory_limit_bytes: budget of live page bytes, 0 = none; keep_free_bytes: bound on the
+  /// bytes of empty slabs kept mapped for reuse, 0 = unmap them at once (std::invalid_argument
+  /// if either is < 0).
+  explicit PagePool(int64_t memory_limit_bytes = 0, int64_t keep_free_bytes = kDefaultKeepFreeBytes);
   /// Unmaps every slab. Callers (caches and checkpoints hold shared_ptrs) release their pages first.
   ~PagePool();
   PagePool(const PagePool&) = delete;
   PagePool& operator=(const PagePool&) = delete;
 
   int64_t memory_limit_bytes() const { return limit_; }
+  int64_t keep_free_bytes() const { return keep_free_; }
 
   /// Appends `n` pages of `page_bytes` bytes (a multiple of 64, > 0) to *out, each with refs 1.
   /// All or nothing: MemoryLimitError (the budget, or the system refusing memory) leaves the
@@ -82,18 +102,21 @@ class PagePool {
   void retain(const Page* const* pages, size_t n);
   void retain(const std::vector<Page*>& pages) { retain(pages.data(), pages.size()); }
   /// refs -= 1 for each entry; a page reaching 0 goes to the free list, a slab whose pages are
-  /// all free is unmapped. Pages must be held. Never throws.
+  /// all free is kept mapped or unmapped (the retention rule above). Pages must be held. Never throws.
   void release(const Page* const* pages, size_t n) noexcept;
   void release(const std::vector<Page*>& pages) noexcept { release(pages.data(), pages.size()); }
   /// Reference count of each page, read under one lock.
   void refs(const Page* const* pages, size_t n, uint32_t* out) const;
   uint32_t refs(const Page* p) const;
 
+  /// Unmaps every empty slab now; returns the bytes unmapped. Never throws.
+  int64_t trim() noexcept;
+
   PoolStats stats() const;
   /// Every mapped page as (id, refs), by id; free pages have refs 0 (tests, debugging).
   std::vector<std::pair<uint32_t, uint32_t>> page_refs() const;
 
-  /// Users, for stats and for refusing to close a pool in use.
+  /// Users, for stats and for refusing to close a pool in use; the last one leaving trims the pool.
   void add_cache(int delta);
   void add_checkpoint(int delta);
 
@@ -116,14 +139,20 @@ class PagePool {
   Page* page_locked(uint32_t id) const;
   uint32_t map_slab_locked(SizeClass& c);  // returns the slot; throws MemoryLimitError
   void unmap_slab_locked(uint32_t slot) noexcept;
+  // Whether the empty slabs mapped now satisfy the retention rule.
+  bool retention_ok_locked() const noexcept;
+  // Unmaps empty slabs until the retained ones satisfy the rule (all of them if `all`).
+  int64_t trim_locked(bool all) noexcept;
 
   const int64_t limit_;
+  const int64_t keep_free_;
   mutable std::mutex mu_;
   std::map<int64_t, SizeClass> classes_;
   std::vector<std::unique_ptr<Slab>> slabs_;  // by slot; null = free slot
   std::vector<uint32_t> free_slots_;
   int64_t committed_ = 0, live_ = 0, shared_ = 0, free_bytes_ = 0, num_live_ = 0, num_free_ = 0, num_slabs_ = 0;
   int64_t num_caches_ = 0, num_checkpoints_ = 0;
+  int64_t empty_bytes_ = 0;  // slab bytes of mapped slabs with used == 0
 };
 
 }  // namespace olep

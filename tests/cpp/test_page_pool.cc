@@ -1,5 +1,6 @@
 // PagePool: all-or-nothing allocation under a budget, reference counts, slabs
-// mapped on demand and unmapped when empty, exact accounting
+// mapped on demand, empty slabs unmapped at once or kept for reuse within the
+// retention rule (keep_free_bytes, the budget, a user), exact accounting
 // (committed = live + free + overhead), and concurrent use.
 #include <algorithm>
 #include <cstring>
@@ -25,7 +26,20 @@ void check_accounting(const PagePool& p) {
   for (const auto& pr : p.page_refs()) (pr.second ? held : free) += 1;
   CHECK(held == s.num_pages);
   CHECK(free == s.num_free_pages);
+  // Empty slabs: slabs none of whose pages is held (ids are slot << 16 | index).
+  std::set<uint32_t> slots, used;
+  for (const auto& pr : p.page_refs()) {
+    slots.insert(pr.first >> 16);
+    if (pr.second) used.insert(pr.first >> 16);
+  }
+  CHECK(static_cast<int64_t>(slots.size()) == s.num_slabs);
+  CHECK((s.empty_slab_bytes == 0) == (slots.size() == used.size()));
+  CHECK(s.empty_slab_bytes <= s.committed_bytes && s.empty_slab_bytes <= s.keep_free_bytes);
+  if (s.num_caches + s.num_checkpoints == 0) CHECK(s.empty_slab_bytes == 0);
+  if (s.memory_limit_bytes > 0) CHECK(s.live_bytes + s.empty_slab_bytes <= s.memory_limit_bytes);
 }
+
+constexpr int64_t kMiB2 = int64_t{2} << 20;
 
 void test_allocate_release() {
   PagePool pool;
@@ -166,6 +180,93 @@ void test_concurrent() {
   CHECK(s.live_bytes == 0 && s.committed_bytes == 0);
 }
 
+void test_empty_slabs_kept_for_reuse() {
+  PagePool pool(0, 2 * kMiB2);
+  pool.add_cache(1);  // retention needs a user
+  const int64_t pb = 4096;  // 512 per slab
+  std::vector<Page*> a;
+  pool.allocate(pb, 600, &a);
+  CHECK(pool.stats().num_slabs == 2 && pool.stats().empty_slab_bytes == 0);
+  std::vector<char*> addrs;
+  for (Page* p : a) addrs.push_back(p->data);
+  pool.release(a);
+  PoolStats s = pool.stats();
+  CHECK(s.live_bytes == 0 && s.committed_bytes == 2 * kMiB2 && s.empty_slab_bytes == 2 * kMiB2);
+  check_accounting(pool);
+  // Appending again maps nothing: the same pages (lowest first), the same addresses.
+  const int64_t process_before = PagePool::process_committed_bytes();
+  std::vector<Page*> b;
+  pool.allocate(pb, 600, &b);
+  CHECK(PagePool::process_committed_bytes() == process_before);
+  for (size_t i = 0; i < b.size(); ++i) CHECK(b[i]->data == addrs[i]);
+  CHECK(pool.stats().empty_slab_bytes == 0);
+  check_accounting(pool);
+  pool.release(b);
+  // More empty slabs than keep_free_bytes: the ones past it are unmapped as they empty.
+  std::vector<Page*> c;
+  pool.allocate(pb, 4 * 512, &c);
+  CHECK(pool.stats().num_slabs == 4);
+  pool.release(c);
+  s = pool.stats();
+  CHECK(s.num_slabs == 2 && s.empty_slab_bytes == 2 * kMiB2 && s.committed_bytes == 2 * kMiB2);
+  check_accounting(pool);
+  // trim() unmaps them and says how much.
+  CHECK(pool.trim() == 2 * kMiB2);
+  CHECK(pool.stats().committed_bytes == 0 && pool.trim() == 0);
+  // The last user leaving unmaps the empty slabs.
+  pool.allocate(pb, 10, &c);
+  c.erase(c.begin(), c.end() - 10);
+  pool.release(c);
+  CHECK(pool.stats().empty_slab_bytes == kMiB2);
+  pool.add_cache(-1);
+  CHECK(pool.stats().committed_bytes == 0);
+  check_accounting(pool);
+  EXPECT_THROW(PagePool(0, -1), std::invalid_argument, "keep_free_bytes");
+}
+
+void test_keep_free_zero_and_no_user() {
+  for (int64_t keep : {int64_t{0}, kDefaultKeepFreeBytes}) {
+    PagePool pool(0, keep);
+    if (keep == 0) pool.add_cache(1);  // keep 0: a user does not matter; default: no user
+    std::vector<Page*> a;
+    pool.allocate(4096, 513, &a);
+    pool.release(a);
+    const PoolStats s = pool.stats();
+    CHECK(s.committed_bytes == 0 && s.num_slabs == 0 && s.empty_slab_bytes == 0);
+    if (keep == 0) pool.add_cache(-1);
+  }
+}
+
+void test_retention_within_budget() {
+  // Under a budget, live_bytes + empty slab bytes never pass it.
+  {
+    PagePool pool(3 * kMiB2 / 4);  // 1.5 MiB: an empty 2 MiB slab alone passes it
+    pool.add_cache(1);
+    std::vector<Page*> a;
+    pool.allocate(4096, 128, &a);  // 512 KiB of one slab
+    pool.release(a);
+    CHECK(pool.stats().committed_bytes == 0);
+    pool.add_cache(-1);
+  }
+  PagePool pool(3 * kMiB2 / 2);  // 3 MiB
+  pool.add_checkpoint(1);           // a checkpoint is a user too
+  std::vector<Page*> a, b;
+  pool.allocate(4096, 128, &a);
+  pool.release(a);
+  CHECK(pool.stats().empty_slab_bytes == kMiB2);  // 0 + 2 MiB <= 3 MiB: kept
+  pool.allocate(8192, 128, &b);                    // another size class, 1 MiB: 1 + 2 <= 3, kept
+  CHECK(pool.stats().empty_slab_bytes == kMiB2 && pool.stats().num_slabs == 2);
+  check_accounting(pool);
+  pool.allocate(8192, 32, &b);                     // 1.25 MiB live + 2 MiB empty > 3: it goes
+  PoolStats s = pool.stats();
+  CHECK(s.empty_slab_bytes == 0 && s.num_slabs == 1 && s.committed_bytes == kMiB2);
+  check_accounting(pool);
+  pool.release(b);
+  CHECK(pool.stats().empty_slab_bytes == kMiB2);
+  pool.add_checkpoint(-1);
+  CHECK(pool.stats().committed_bytes == 0);
+}
+
 }  // namespace
 
 int main() {
@@ -175,5 +276,8 @@ int main() {
   test_size_classes_and_big_pages();
   test_many_slabs();
   test_concurrent();
+  test_empty_slabs_kept_for_reuse();
+  test_keep_free_zero_and_no_user();
+  test_retention_within_budget();
   TEST_MAIN_END();
 }

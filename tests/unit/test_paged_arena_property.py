@@ -106,7 +106,9 @@ class PagedArena(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.start_committed = _core.process_committed_bytes()
-        self.pools = [KVPool(page_tokens=P), KVPool(memory_limit_bytes=48 * P * 16 * 4, page_tokens=P)]
+        # pool 0 keeps at most two empty 2 MiB slabs (the cap is hit), pool 1 the default under a budget
+        self.pools = [KVPool(page_tokens=P, keep_free_bytes=4 << 20),
+                      KVPool(memory_limit_bytes=48 * P * 16 * 4, page_tokens=P)]
         self.live: list[Entry] = []
         self.snaps: list[Snap] = []
         self.dir = tempfile.mkdtemp(prefix="olep_arena_")
@@ -348,7 +350,10 @@ class PagedArena(RuleBasedStateMachine):
                 ps = pool.stats()
                 assert ps["committed_bytes"] == ps["live_bytes"] + ps["free_bytes"] + ps["overhead_bytes"]
                 if pool.memory_limit_bytes:
-                    assert ps["live_bytes"] <= pool.memory_limit_bytes
+                    assert ps["live_bytes"] + ps["empty_slab_bytes"] <= pool.memory_limit_bytes, ps
+                assert 0 <= ps["empty_slab_bytes"] <= min(ps["keep_free_bytes"], ps["free_bytes"] + ps["overhead_bytes"])
+                if ps["num_caches"] + ps["num_checkpoints"] == 0:
+                    assert ps["empty_slab_bytes"] == 0, ps
 
     def teardown(self):
         try:
