@@ -14,6 +14,10 @@
   cache (``export`` of every layer + ``KVCache.from_past``), and against ``memcpy`` of its bytes.
 - **speculative**: ``checkpoint()`` + ``restore()``, and ``truncate`` by 8 tokens then re-append
   (the cost of rolling a rejected draft back), at ``L`` tokens.
+- **truncate churn**: a decode step that starts a new page, then ``truncate`` back (a rejected
+  speculative draft at a page start), in a pool that unmaps empty slabs at once
+  (``keep_free_bytes=0``) against one that keeps them for reuse (the default), interleaved:
+  median time per step + truncate and the bytes the process maps per step.
 - **sliding window**: committed KV bytes of a layer with ``sliding_window=512`` against one that
   keeps everything, for contexts up to 32K appended in chunks of 512 through real runs.
 - **page-table overhead and fragmentation**: ``stats()`` of a decode cache at several contexts.
@@ -170,6 +174,46 @@ def bench_speculative(L: int, layers: int, reps: int, threads: int) -> Dict:
             "truncate": _stats(trunc_ms), "bytes_copied": copied}
 
 
+def bench_truncate_churn(layers: int, reps: int, threads: int) -> Dict:
+    """Step across a page start + truncate back, keep_free_bytes=0 vs the default, interleaved."""
+    from .. import _core
+    from ..cache import KVCache, default_page_tokens
+    from ..pool import KVPool
+
+    L = default_page_tokens(D, DTYPE)  # the cache ends at a page end: the step starts a new page
+    data = cands.make_step_data(q_num_heads=HQ, kv_num_heads=HKV, head_dim=D, batch_size=1, context_length=L,
+                                dtype=DTYPE, num_layers=layers, capacity=L + 64)
+    ep = cands._make_session(models.cache_attention_model(layers, HQ, HKV, D, DTYPE), threads, True)
+    arms = {}
+    for name, keep in (("unmap_at_once", 0), ("keep_free", None)):
+        pool = KVPool(keep_free_bytes=keep)
+        arms[name] = (pool, KVCache.from_past(data.past_keys, data.past_values, max_sequence_length=L + 64,
+                                              pool=pool), [], [])
+    for r in range(reps + 2):
+        for name, (pool, c, ms, mapped) in arms.items():
+            before = _core.process_committed_bytes()
+            peak = [before]
+
+            def step():
+                ep.run(["Y"], _feeds(data, cache=c))
+                peak[0] = _core.process_committed_bytes()
+                c.truncate(L)
+
+            t = _timed(step)
+            if r >= 2:  # warm-up excluded
+                ms.append(t)
+                mapped.append(peak[0] - before)
+    out = {"context_length": L, "num_layers": layers, "threads": threads,
+           "page_bytes": L * D * 2 * 2}
+    for name, (pool, c, ms, mapped) in arms.items():
+        out[name] = _stats(ms)
+        out[name + "_mapped_bytes_per_step"] = float(np.median(mapped))
+        c.close()
+        pool.close()
+    out["speedup"] = out["unmap_at_once"]["median_ms"] / out["keep_free"]["median_ms"]
+    return out
+
+
 def bench_sliding_window(max_context: int, window: int, chunk: int, threads: int) -> Dict:
     """Committed bytes of a sliding-window layer vs one that keeps everything, by context."""
     import onnx
@@ -249,6 +293,8 @@ def run_arena(out_dir: str = "bench_out", *, quick: bool = False, threads: int =
     result["fork"] = [bench_fork(L, layers, 3 if quick else 9) for L in contexts]
     progress("checkpoint / restore / truncate")
     result["speculative"] = [bench_speculative(L, layers, 3 if quick else 15, threads) for L in contexts]
+    progress("truncate churn at a page start")
+    result["truncate_churn"] = bench_truncate_churn(layers, 10 if quick else 60, threads)
     progress("sliding window")
     result["sliding_window"] = bench_sliding_window(2048 if quick else 32768, 512, 512, threads)
     progress("page-table overhead")
@@ -293,6 +339,16 @@ def markdown(result: Dict) -> List[str]:
     for r in result["speculative"]:
         out.append(f"| {r['context_length']} | {r['num_layers']} | {_ms(r['checkpoint'])} | {_ms(r['restore'])} | "
                    f"{_ms(r['truncate'])} |")
+    t = result.get("truncate_churn")
+    if t:
+        out += ["", f"Truncate churn at a page start (a decode step that starts a page, then truncate back to "
+                f"{t['context_length']}; {t['num_layers']} layers, batch 1; pools interleaved):", "",
+                "| pool | step + truncate ms | mapped / step |", "|---|---|---|",
+                f"| keep_free_bytes=0 (unmap empty slabs at once) | {_ms(t['unmap_at_once'])} | "
+                f"{_mib(t['unmap_at_once_mapped_bytes_per_step'])} |",
+                f"| default (keep up to 64 MiB of empty slabs) | {_ms(t['keep_free'])} | "
+                f"{_mib(t['keep_free_mapped_bytes_per_step'])} |",
+                "", f"Kept empty slabs: {t['speedup']:.2f}x faster per step."]
     w = result["sliding_window"]
     out += ["", f"Sliding-window layer (W={w['window']}, appended in chunks of {w['chunk']}): committed KV "
             f"bytes per layer (bound W + 2 pages: {_mib(w['bound_bytes'])}):", "",

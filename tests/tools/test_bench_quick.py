@@ -60,7 +60,7 @@ def test_quick_json_structure(tmp_path):
 
 def test_arena_quick(tmp_path):
     """Smoke test of the generation-operation benchmarks: every part runs and reports sane figures."""
-    from onnx_light_ep.bench.arena import run_arena
+    from onnx_light_ep.bench.arena import HKV, run_arena
 
     r = run_arena(str(tmp_path), quick=True, progress=lambda s: None)
     beam = r["beam"][0]
@@ -68,6 +68,11 @@ def test_arena_quick(tmp_path):
     assert 0 < beam["ep_bytes_copied_per_step"] < beam["ort_bytes_copied_per_step"]
     assert r["fork"][0]["fork"]["median_ms"] > 0
     assert r["speculative"][0]["bytes_copied"] == 0  # checkpoint, truncate and restore copy no rows
+    t = r["truncate_churn"]
+    # each step starts a page per (layer, kv head); the pool that unmaps empty slabs maps them
+    # again every step, the default pool reuses the ones it kept
+    assert t["unmap_at_once_mapped_bytes_per_step"] >= t["num_layers"] * HKV * t["page_bytes"]
+    assert t["keep_free_mapped_bytes_per_step"] == 0
     w = r["sliding_window"]
     assert all(row["evicting_committed_bytes"] <= w["bound_bytes"] for row in w["rows"])
     assert w["rows"][-1]["keeping_committed_bytes"] > w["rows"][-1]["evicting_committed_bytes"]
