@@ -7,6 +7,7 @@
 #include <cerrno>
 #include <atomic>
 #include <cstring>
+#include <new>
 #include <stdexcept>
 #include <string>
 
@@ -100,6 +101,22 @@ uint32_t PagePool::map_slab_locked(SizeClass& c) {
       throw MemoryLimitError("the pool already maps " + str(kMaxSlabs) + " slabs, its maximum");
     slot = static_cast<uint32_t>(slabs_.size());
   }
+  // Everything that allocates on the heap comes before the mapping or is undone with it, so a
+  // refusal anywhere leaves the pool as it was (std::bad_alloc becomes MemoryLimitError, which
+  // allocate() answers by trimming and retrying once). Capacity for the slot in slabs_ and in
+  // free_slots_ is reserved here, so the push_backs below and unmap's never allocate.
+  std::unique_ptr<Slab> slab;
+  try {
+    slab = std::make_unique<Slab>();
+    slab->pages.reset(new Page[static_cast<size_t>(c.pages_per_slab)]);
+    if (slot == slabs_.size()) {
+      slabs_.reserve(slabs_.size() + 1);
+      free_slots_.reserve(slabs_.size() + 1);
+    }
+  } catch (const std::bad_alloc&) {
+    throw MemoryLimitError("the system refused memory for a slab's page records (" + str(c.pages_per_slab) +
+                           " pages)");
+  }
   // Map 2 MiB more than needed and keep the 2 MiB-aligned part, so each 2 MiB of the slab can
   // be one huge page.
   const size_t map_bytes = static_cast<size_t>(c.slab_bytes + kHugePage);
@@ -129,23 +146,29 @@ uint32_t PagePool::map_slab_locked(SizeClass& c) {
   }
   if (huge) madvise(base, bytes, MADV_COLLAPSE);
 
-  auto slab = std::make_unique<Slab>();
   slab->map = base;
   slab->map_bytes = bytes;
   slab->bytes = c.slab_bytes;
   slab->page_bytes = c.page_bytes;
   slab->num_pages = c.pages_per_slab;
-  slab->pages.reset(new Page[static_cast<size_t>(c.pages_per_slab)]);
-  for (int64_t i = 0; i < c.pages_per_slab; ++i) {
-    Page& pg = slab->pages[static_cast<size_t>(i)];
-    pg.data = base + i * c.page_bytes;
-    pg.bytes = c.page_bytes;
-    pg.id = (slot << 16) | static_cast<uint32_t>(i);
-    pg.refs = 0;
-    pg.slab = slot;
-    c.free.insert(pg.id);
+  int64_t inserted = 0;
+  try {
+    for (; inserted < c.pages_per_slab; ++inserted) {
+      Page& pg = slab->pages[static_cast<size_t>(inserted)];
+      pg.data = base + inserted * c.page_bytes;
+      pg.bytes = c.page_bytes;
+      pg.id = (slot << 16) | static_cast<uint32_t>(inserted);
+      pg.refs = 0;
+      pg.slab = slot;
+      c.free.insert(pg.id);  // a set node: may throw std::bad_alloc
+    }
+  } catch (const std::bad_alloc&) {
+    for (int64_t i = 0; i < inserted; ++i) c.free.erase(slab->pages[static_cast<size_t>(i)].id);
+    munmap(base, bytes);
+    throw MemoryLimitError("the system refused memory for a slab's free list (" + str(c.pages_per_slab) +
+                           " pages)");
   }
-  if (slot == slabs_.size()) slabs_.push_back(nullptr);
+  if (slot == slabs_.size()) slabs_.push_back(nullptr);  // capacity reserved above
   else free_slots_.pop_back();
   slabs_[slot] = std::move(slab);
   committed_ += c.slab_bytes;
@@ -214,11 +237,30 @@ void PagePool::allocate(int64_t page_bytes, int64_t n, std::vector<Page*>* out) 
     throw MemoryLimitError("pool memory_limit_bytes is " + str(limit_) + ": " + str(n) + " new pages need " +
                            str(need) + " bytes and " + str(live_) + " bytes are in use");
   SizeClass& c = size_class_locked(page_bytes);
+  out->reserve(out->size() + static_cast<size_t>(n));
+  // Under a budget, the empty slabs kept of other sizes go before new slabs are mapped when the
+  // pool would otherwise hold more than the budget in between (live + new pages + kept slabs):
+  // the free pages of this size are all taken first, so only other sizes' kept slabs remain.
+  if (limit_ > 0 && static_cast<int64_t>(c.free.size()) < n && empty_bytes_ > 0) {
+    int64_t empty_here = 0;
+    for (const auto& sl : slabs_)
+      if (sl && sl->used == 0 && sl->page_bytes == page_bytes) empty_here += sl->bytes;
+    for (size_t i = slabs_.size(); i-- > 0 && live_ + need + (empty_bytes_ - empty_here) > limit_;)
+      if (slabs_[i] && slabs_[i]->used == 0 && slabs_[i]->page_bytes != page_bytes)
+        unmap_slab_locked(static_cast<uint32_t>(i));
+  }
   // Map the slabs the free list lacks; on failure unmap the ones mapped here (all or nothing).
   const auto map_missing = [&] {
+    const int64_t missing = n - static_cast<int64_t>(c.free.size());
+    if (missing <= 0) return;
     std::vector<uint32_t> mapped;
     try {
-      while (static_cast<int64_t>(c.free.size()) < n) mapped.push_back(map_slab_locked(c));
+      mapped.reserve(static_cast<size_t>((missing + c.pages_per_slab - 1) / c.pages_per_slab));
+    } catch (const std::bad_alloc&) {
+      throw MemoryLimitError("the system refused memory for mapping " + str(missing) + " pages");
+    }
+    try {
+      while (static_cast<int64_t>(c.free.size()) < n) mapped.push_back(map_slab_locked(c));  // reserved
     } catch (...) {
       for (uint32_t slot : mapped) unmap_slab_locked(slot);
       throw;
@@ -230,7 +272,6 @@ void PagePool::allocate(int64_t page_bytes, int64_t n, std::vector<Page*>* out) 
     if (trim_locked(true) == 0) throw;  // the empty slabs kept for reuse go first, then one retry
     map_missing();
   }
-  out->reserve(out->size() + static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) {
     const uint32_t id = *c.free.begin();
     c.free.erase(c.free.begin());

@@ -95,8 +95,11 @@ class PagePool {
   int64_t keep_free_bytes() const { return keep_free_; }
 
   /// Appends `n` pages of `page_bytes` bytes (a multiple of 64, > 0) to *out, each with refs 1.
-  /// All or nothing: MemoryLimitError (the budget, or the system refusing memory) leaves the
-  /// pool and *out unchanged. Cost: O(n log F) plus mapping new slabs when the free list is short.
+  /// All or nothing: MemoryLimitError (the budget, or the system refusing address space, commit or
+  /// heap memory for a slab) leaves *out and every page unchanged (kept empty slabs may have been
+  /// unmapped: a refusal trims them and retries once). Under a budget, kept slabs of other sizes
+  /// that would take live + new + kept past it are unmapped before new slabs are mapped.
+  /// Cost: O(n log F) plus mapping new slabs when the free list is short.
   void allocate(int64_t page_bytes, int64_t n, std::vector<Page*>* out);
   /// refs += 1 for each entry (repeats count repeatedly). Pages must be held (refs > 0).
   void retain(const Page* const* pages, size_t n);

@@ -265,6 +265,23 @@ void test_retention_within_budget() {
   CHECK(pool.stats().empty_slab_bytes == kMiB2);
   pool.add_checkpoint(-1);
   CHECK(pool.stats().committed_bytes == 0);
+
+  // Not even in between: when new slabs must be mapped, the kept slabs of other sizes that the
+  // budget cannot hold beside the new pages go first, so the new slab takes the freed slot.
+  PagePool p2(3 * kMiB2 / 2);  // 3 MiB
+  p2.add_cache(1);
+  std::vector<Page*> x, y;
+  p2.allocate(4096, 1, &x);  // slot 0
+  const uint32_t slot0 = x[0]->id >> 16;
+  p2.release(x);
+  CHECK(p2.stats().empty_slab_bytes == kMiB2);
+  const int64_t process_before = PagePool::process_committed_bytes();
+  p2.allocate(8192, 256, &y);  // 2 MiB: a new slab; 2 + 2 kept > 3 MiB
+  CHECK((y[0]->id >> 16) == slot0);  // mapped after slot 0 was unmapped
+  CHECK(PagePool::process_committed_bytes() == process_before);
+  check_accounting(p2);
+  p2.release(y);
+  p2.add_cache(-1);
 }
 
 }  // namespace
