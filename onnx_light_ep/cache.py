@@ -112,7 +112,9 @@ class KVCache(NativeHandle):
         memory_limit_bytes: int >= 1 or None: quota on the page bytes this
             cache's tables hold (``stats()["committed_bytes"]``).
         pool: a :class:`KVPool` to take pages from and count them against, or
-            None for a private pool (released with the cache).
+            None for a private pool (released with the cache; of the slabs its
+            truncates empty it keeps at most one page per layer, sequence and
+            kv head mapped for the next steps, see ``KVPool(keep_free_bytes)``).
         page_tokens: positions per page, a multiple of 32 in [32, 65536]; None =
             the pool's ``page_tokens``, else :func:`default_page_tokens` for this
             head_dim and dtype.

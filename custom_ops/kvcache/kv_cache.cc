@@ -31,11 +31,25 @@ void rebuild_holds(CacheContent* c) {
   for (const PageTable& t : c->tables) c->holds.add_table(t);
 }
 
+// Empty slab bytes a cache's private pool keeps: one native page per (layer, sequence, kv head),
+// what a step that starts a page takes, so a truncate back across a page start (a rejected
+// draft, a beam reorder) and the next step map nothing; rounded up to whole 2 MiB slabs plus one
+// (the pages straddle slab ends), at most the shared pools' default. Bounded by the cache's own
+// geometry because every cache without a pool has one: a server with many of them keeps little.
+int64_t private_keep_free_bytes(const CacheGeometry& g) {
+  constexpr int64_t kSlab = int64_t{2} << 20;
+  const double step = static_cast<double>(g.num_layers) * static_cast<double>(g.batch_size) *
+                      static_cast<double>(g.kv_num_heads) * static_cast<double>(g.page_bytes());
+  if (step >= static_cast<double>(kDefaultKeepFreeBytes)) return kDefaultKeepFreeBytes;
+  const int64_t bytes = (static_cast<int64_t>(step) + kSlab - 1) / kSlab * kSlab + kSlab;
+  return std::min(bytes, kDefaultKeepFreeBytes);
+}
+
 }  // namespace
 
 KVCache::KVCache(const CacheGeometry& g, std::shared_ptr<PagePool> pool) : g_(g), pool_(std::move(pool)) {
   g_.validate();
-  if (!pool_) pool_ = std::make_shared<PagePool>(0);
+  if (!pool_) pool_ = std::make_shared<PagePool>(0, private_keep_free_bytes(g_));
   content_.tables.resize(static_cast<size_t>(g_.num_layers * g_.batch_size));
   content_.lens.assign(static_cast<size_t>(g_.batch_size), 0);
   pool_->add_cache(1);

@@ -77,8 +77,9 @@ struct CacheStats {
 
 class KVCache : public std::enable_shared_from_this<KVCache> {
  public:
-  /// Validates `g` (std::invalid_argument naming the field). `pool` supplies pages (a private
-  /// pool when null).
+  /// Validates `g` (std::invalid_argument naming the field). `pool` supplies pages (when null, a
+  /// private pool that keeps at most one page per (layer, sequence, kv head) of empty slabs, in
+  /// whole slabs plus one, at most kDefaultKeepFreeBytes).
   KVCache(const CacheGeometry& g, std::shared_ptr<PagePool> pool);
   ~KVCache();
   KVCache(const KVCache&) = delete;

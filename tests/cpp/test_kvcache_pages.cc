@@ -461,7 +461,21 @@ void test_head_runs_consecutive() {
 }
 }  // namespace
 
+// A cache without a pool gets a private one that keeps one page per (layer, sequence, kv head)
+// of empty slabs (whole slabs, plus one), at most the shared pools' 64 MiB.
+void test_private_pool_keep_free() {
+  const int64_t slab = int64_t{2} << 20;
+  // 2 layers x 2 sequences x 2 heads x 32 tokens x (4 + 4) floats = 8 KiB of pages: 1 slab + 1
+  CHECK(make(geom(), nullptr)->pool()->keep_free_bytes() == 2 * slab);
+  // 30 layers x 1 x 3 heads x 256 tokens x (64 + 64) floats: 90 pages of 128 KiB = 11.25 MiB -> 12 + 2
+  CHECK(make(geom(30, 1, 3, 64, 4096, 256), nullptr)->pool()->keep_free_bytes() == 7 * slab);
+  // 32 x 4 x 8 x 256 x 256 floats: 256 MiB of pages: the cap
+  CHECK(make(geom(32, 4, 8, 128, 4096, 256), nullptr)->pool()->keep_free_bytes() == kDefaultKeepFreeBytes);
+  CHECK(std::make_shared<PagePool>()->keep_free_bytes() == kDefaultKeepFreeBytes);  // a shared pool's default
+}
+
 int main() {
+  test_private_pool_keep_free();
   test_head_runs_consecutive();
   test_snapshot_between_layers();
   test_load_crafted_header();

@@ -245,3 +245,18 @@ def test_refused_mapping_unmaps_kept_slabs_and_retries(tmp_path, headroom_mib):
     else:
         assert words[:4] == ["refused", "0", "0", "[0]"], r.stdout
         assert "the system refused to map a slab" in r.stdout, r.stdout
+
+
+def test_private_pool_keeps_one_page_per_layer_sequence_and_head():
+    """A cache without a pool keeps at most one page per (layer, sequence, kv head) of emptied
+    slabs (whole slabs, plus one), not the shared pools' 64 MiB: a truncate to 7 positions of a
+    16 MiB cache leaves its one partly used slab per head and at most 2 empty slabs mapped."""
+    rng = np.random.default_rng(10)
+    B, H, T, D = 1, 4, 4096, 128  # 4 pages of 128 KiB per step: keep 2 MiB + 2 MiB
+    k, v = _past(rng, B, H, T, D)
+    base_slabs = _core.process_committed_bytes()
+    with KVCache.from_past(k, v, max_sequence_length=8192, page_tokens=128) as c:
+        assert _core.process_committed_bytes() - base_slabs == 16 << 20
+        c.truncate([7])
+        assert _core.process_committed_bytes() - base_slabs == H * MIB2 + 2 * MIB2
+    assert _core.process_committed_bytes() == base_slabs
