@@ -7,7 +7,10 @@ discarded, median and p25/p75 of the rest):
 
 - ``ep_kvcache``: ``ai.onnx_light.CacheAttention`` (``is_causal=1``) on the EP appending the
   ``S`` rows into an empty ``KVCache`` and attending over the cache (its query-blocked prefill
-  path); the cache is emptied (``truncate(0)``, no copy) before every run, outside the timing;
+  path); the cache is emptied (``truncate(0)``, no copy) before every run, outside the timing.
+  Its pages come from a ``KVPool`` that keeps the slabs the truncate empties (the default
+  ``keep_free_bytes``, 64 MiB, holds MHA S=2048's), as ORT's arena keeps the memory of the
+  other candidates' outputs between runs: both time the steady state, not first-touch faults;
 - ``ort_attention``: ONNX ``Attention`` (opset 23), 3-D Q/K/V, ``is_causal=1``, no past;
 - ``ort_gqa``: ``com.microsoft.GroupQueryAttention`` with an empty past (``[B, Hkv, 0, D]``,
   ``seqlens_k = S - 1``, ``total_sequence_length = S``): ORT's first-prompt path, as the genai
@@ -124,14 +127,20 @@ class _Runner:
     def close(self):
         self.sessions = self.feeds = None
         if self.cache is not None:
+            pool = self.cache.pool
             self.cache.close()
+            if pool is not None:
+                pool.close()
 
 
 def _build(key, seq, hq, hkv, d, q, k, v, threads):
     if key == "ep_kvcache":
         from ..cache import KVCache
 
-        cache = KVCache(1, 1, hkv, d, dtype="float32", max_sequence_length=seq)
+        from ..pool import KVPool
+
+        # A pool, not the cache's private one: it keeps the slabs truncate(0) empties (see above).
+        cache = KVCache(1, 1, hkv, d, dtype="float32", max_sequence_length=seq, pool=KVPool())
         return _Runner(key, cache_attention_prefill_model(hq, hkv, d),
                        {"query": q, "key": k, "value": v, "kv_cache": cache.handle},
                        threads, True, cache)
