@@ -110,9 +110,7 @@ py::dict stats(int64_t h) {
   return d;
 }
 
-py::dict pool_stats(int64_t h) {
-  auto p = call("KVPool.stats", [&] { return Registry::instance().pool(h); });
-  const olep::PoolStats s = p->stats();
+py::dict pool_stats_dict(const olep::PoolStats& s) {
   py::dict d;
   d["memory_limit_bytes"] = s.memory_limit_bytes;
   d["committed_bytes"] = s.committed_bytes;
@@ -128,6 +126,11 @@ py::dict pool_stats(int64_t h) {
   d["keep_free_bytes"] = s.keep_free_bytes;
   d["empty_slab_bytes"] = s.empty_slab_bytes;
   return d;
+}
+
+py::dict pool_stats(int64_t h) {
+  auto p = call("KVPool.stats", [&] { return Registry::instance().pool(h); });
+  return pool_stats_dict(p->stats());
 }
 
 py::tuple export_layer(int64_t h, int64_t layer) {
@@ -351,6 +354,10 @@ PYBIND11_MODULE(_core, m) {
     auto p = call("KVPool", [&] { return Registry::instance().pool(h); });
     return p->page_refs();
   }, "Every mapped page of the pool as (id, refs); refs 0 = free (tests, debugging).");
+  m.def("cache_pool_stats", [](int64_t h) {
+    auto c = cache(h, "KVCache.pool_stats");
+    return pool_stats_dict(c->pool()->stats());
+  }, "stats of the pool a cache uses (its private pool included).");
   m.def("cache_pool_page_refs", [](int64_t h) {
     auto c = cache(h, "KVCache");
     return c->pool()->page_refs();

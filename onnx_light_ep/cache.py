@@ -569,6 +569,16 @@ class KVCache(NativeHandle):
         """
         return dict(_core.stats(self._live("KVCache.stats")))
 
+    def pool_stats(self) -> Dict[str, int]:
+        """The stats of the pool this cache takes pages from, as :meth:`KVPool.stats` gives them
+        (``committed_bytes`` = live + free + overhead, ``empty_slab_bytes``, ``keep_free_bytes``,
+        ...): the :class:`KVPool` given, or the cache's private pool, which no handle reaches
+        otherwise (with ``pool=None`` it is the memory this cache holds in all: its pages, the free
+        pages of its slabs and the emptied slabs it keeps, at most one page per layer, sequence
+        and kv head of them).
+        """
+        return dict(_core.cache_pool_stats(self._live("KVCache.pool_stats")))
+
     def reset(self) -> None:
         """Set every sequence length to 0 and release the storage (committed bytes drop to 0)."""
         _core.reset(self._live("KVCache.reset"))

@@ -259,4 +259,12 @@ def test_private_pool_keeps_one_page_per_layer_sequence_and_head():
         assert _core.process_committed_bytes() - base_slabs == 16 << 20
         c.truncate([7])
         assert _core.process_committed_bytes() - base_slabs == H * MIB2 + 2 * MIB2
+        ps = c.pool_stats()  # the private pool, seen through its cache
+        assert ps["keep_free_bytes"] == 2 * MIB2 and ps["empty_slab_bytes"] == 2 * MIB2
+        assert ps["committed_bytes"] == H * MIB2 + 2 * MIB2 == ps["live_bytes"] + ps["free_bytes"]
+        assert ps["num_caches"] == 1 and ps["live_bytes"] == c.stats()["committed_bytes"]
     assert _core.process_committed_bytes() == base_slabs
+    with KVPool() as pool, KVCache.from_past(k, v, max_sequence_length=8192, pool=pool) as c:
+        assert c.pool_stats() == pool.stats()  # a given pool: the same figures as its own stats()
+    with pytest.raises(ValueError, match="KVCache.pool_stats"):
+        c.pool_stats()  # closed
