@@ -192,19 +192,19 @@ def bench_truncate_churn(layers: int, reps: int, threads: int) -> Dict:
     for r in range(reps + 2):
         for name, (pool, c, ms, mapped) in arms.items():
             before = _core.process_committed_bytes()
-            peak = [before]
+            after_run = [before]  # slab bytes mapped once the step has run, before the truncate
 
             def step():
                 ep.run(["Y"], _feeds(data, cache=c))
-                peak[0] = _core.process_committed_bytes()
+                after_run[0] = _core.process_committed_bytes()
                 c.truncate(L)
 
             t = _timed(step)
             if r >= 2:  # warm-up excluded
                 ms.append(t)
-                mapped.append(peak[0] - before)
+                mapped.append(after_run[0] - before)
     out = {"context_length": L, "num_layers": layers, "threads": threads,
-           "page_bytes": L * D * 2 * 2}
+           "page_bytes": L * 2 * D * np.dtype(DTYPE).itemsize}  # K and V of one page
     for name, (pool, c, ms, mapped) in arms.items():
         out[name] = _stats(ms)
         out[name + "_mapped_bytes_per_step"] = float(np.median(mapped))
