@@ -338,6 +338,7 @@ PYBIND11_MODULE(_core, m) {
   });
 
   // ---- pools ----
+  m.attr("DEFAULT_KEEP_FREE_BYTES") = olep::kDefaultKeepFreeBytes;
   m.def("pool_create", [](int64_t memory_limit_bytes, int64_t keep_free_bytes) {
     return call("KVPool", [&] {
       return Registry::instance().add_pool(std::make_shared<olep::PagePool>(memory_limit_bytes, keep_free_bytes));

@@ -57,7 +57,7 @@ class KVPool(NativeHandle):
     __slots__ = ("_h", "_page_tokens", "_limit", "_keep_free", "__weakref__")
     _kind = "KVPool"
 
-    DEFAULT_KEEP_FREE_BYTES = 64 << 20
+    DEFAULT_KEEP_FREE_BYTES = int(_core.DEFAULT_KEEP_FREE_BYTES)  # 64 MiB (page_pool.h)
 
     def __init__(self, memory_limit_bytes: Optional[int] = None, *, page_tokens: Optional[int] = None,
                  keep_free_bytes: Optional[int] = None) -> None:

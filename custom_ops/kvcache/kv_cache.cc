@@ -37,7 +37,7 @@ void rebuild_holds(CacheContent* c) {
 // (the pages straddle slab ends), at most the shared pools' default. Bounded by the cache's own
 // geometry because every cache without a pool has one: a server with many of them keeps little.
 int64_t private_keep_free_bytes(const CacheGeometry& g) {
-  constexpr int64_t kSlab = int64_t{2} << 20;
+  constexpr int64_t kSlab = kSlabUnitBytes;
   const double step = static_cast<double>(g.num_layers) * static_cast<double>(g.batch_size) *
                       static_cast<double>(g.kv_num_heads) * static_cast<double>(g.page_bytes());
   if (step >= static_cast<double>(kDefaultKeepFreeBytes)) return kDefaultKeepFreeBytes;

@@ -23,7 +23,7 @@ namespace {
 #define MADV_POPULATE_WRITE 23  // Linux >= 5.14
 #endif
 
-constexpr int64_t kHugePage = int64_t{2} << 20;
+constexpr int64_t kHugePage = kSlabUnitBytes;
 constexpr uint32_t kMaxPagesPerSlab = 1u << 16;
 constexpr uint32_t kMaxSlabs = 1u << 16;
 

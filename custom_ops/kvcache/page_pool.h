@@ -75,6 +75,9 @@ struct PoolStats {
   int64_t empty_slab_bytes = 0;    // slab bytes of mapped slabs with no page in use (part of committed)
 };
 
+/// Slabs are whole multiples of this (one huge page).
+constexpr int64_t kSlabUnitBytes = int64_t{2} << 20;
+
 /// Default bound on the empty slab bytes a pool keeps mapped: 64 MiB, twice the pages a decode
 /// step across a page start takes for batch 1 of a 32-layer, 8-kv-head, head_dim-128 fp16 model
 /// with 256-token pages (32 MiB).

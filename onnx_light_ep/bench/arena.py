@@ -341,12 +341,14 @@ def markdown(result: Dict) -> List[str]:
                    f"{_ms(r['truncate'])} |")
     t = result.get("truncate_churn")
     if t:
+        from ..pool import KVPool
+
         out += ["", f"Truncate churn at a page start (a decode step that starts a page, then truncate back to "
                 f"{t['context_length']}; {t['num_layers']} layers, batch 1; pools interleaved):", "",
                 "| pool | step + truncate ms | mapped / step |", "|---|---|---|",
                 f"| keep_free_bytes=0 (unmap empty slabs at once) | {_ms(t['unmap_at_once'])} | "
                 f"{_mib(t['unmap_at_once_mapped_bytes_per_step'])} |",
-                f"| default (keep up to 64 MiB of empty slabs) | {_ms(t['keep_free'])} | "
+                f"| default (keep up to {_mib(KVPool.DEFAULT_KEEP_FREE_BYTES)} of empty slabs) | {_ms(t['keep_free'])} | "
                 f"{_mib(t['keep_free_mapped_bytes_per_step'])} |",
                 "", f"Kept empty slabs: {t['speedup']:.2f}x faster per step."]
     w = result["sliding_window"]
